@@ -1,0 +1,318 @@
+"""Job configuration: typed schema, merge order, validation.
+
+Merge order, later wins: the schema's defaults < ``conf/defaults.yaml`` < the job file's
+``defaults:`` list (files under ``conf/``, e.g. ``cluster/dgx-h100``) < the job file <
+``key=value`` overrides. Every value is checked against the schema by OmegaConf, then the
+cross-field invariants below; the first problem raises :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .errors import ConfigError
+
+STRATEGIES = ("auto", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+RECOMPUTE = ("auto", "none", "selective", "full")
+COMPRESSION = ("auto", "none", "fp16", "bf16", "powersgd")
+SYNC_ALGORITHMS = ("auto", "flat", "hierarchical")
+
+
+@dataclass
+class ModelConfig:
+    """The GPT decoder (nanoGPT's names)."""
+
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Hidden size."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for the byte-level tokens of the built-in data."""
+    block_size: int = 128
+    """Context length in tokens (the sequence length of every sample)."""
+    dropout: float = 0.0
+    """Dropout probability in attention and MLP (0 keeps runs bit-reproducible)."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers, as GPT-2."""
+
+
+@dataclass
+class DataConfig:
+    """Training text."""
+
+    path: Optional[str] = None
+    """A UTF-8 text file to train on; None uses the text of Python's `pydoc_data.topics`."""
+    val_fraction: float = 0.1
+    """Fraction of the tokens (the tail of the text) held out for validation."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    max_steps: int = 300
+    """Optimizer steps to run."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step across all ranks and micro-steps."""
+    micro_batch_size: Union[int, str] = "auto"
+    """Sequences per rank per forward/backward; `auto` lets the planner choose."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not biases, LayerNorm or embeddings' norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    eval_interval: int = 50
+    """Evaluate the validation loss every this many steps (and at the first and last step)."""
+    eval_iters: int = 10
+    """Validation batches per evaluation."""
+    precision: str = "auto"
+    """`auto` (bf16 autocast on GPU, fp32 on CPU), `bf16`, `fp16` or `fp32`."""
+    seed: int = 1337
+    """Seed for model init and data order; the same seed gives the same run."""
+    max_failures: int = 0
+    """How many times the driver restarts after a worker or node failure."""
+
+
+@dataclass
+class ParallelConfig:
+    """Sharding strategy and gradient sync; `auto` leaves a choice to the planner."""
+
+    strategy: str = "auto"
+    """`auto`, `ddp`, `zero1`, `zero2`, `zero3` (= `fsdp`) or `hsdp`."""
+    tp: Union[int, str] = "auto"
+    """Tensor-parallel degree (inside an NVLink domain); `auto` lets the planner choose."""
+    dp_shard: Union[int, str] = "auto"
+    """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
+    recompute: str = "auto"
+    """Activation recomputation: `auto`, `none`, `selective` or `full`."""
+    bucket_mb: Union[float, str] = "auto"
+    """DDP gradient bucket size in MB; `auto` sizes it from the link latency and bandwidth."""
+    sync: str = "auto"
+    """Gradient all-reduce schedule: `auto`, `flat` or `hierarchical` (intra, inter, intra)."""
+    compression: str = "auto"
+    """Gradient compression: `auto` (only when comm-bound and allowed), `none`, `fp16`, `bf16`, `powersgd`."""
+    allow_compression: bool = False
+    """Let `auto` pick a lossy gradient compression when communication dominates."""
+
+
+@dataclass
+class ClusterConfig:
+    """Which Ray cluster, and what to assume about it."""
+
+    address: Optional[str] = None
+    """Ray address: None starts a private local cluster; `auto` or `HOST:PORT` joins one."""
+    num_workers: int = 2
+    """Workers (CPU slots) when there is no GPU; ignored when the cluster has GPUs."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved for each worker actor."""
+    gpu: Optional[str] = None
+    """GPU model to plan for when the topology does not name one (e.g. `H100`)."""
+    inter_node_gbps: Optional[float] = None
+    """Network bandwidth out of one node, GB/s per direction; None derives it from the NICs."""
+    inter_node_latency_us: float = 10.0
+    """One-way latency between nodes, microseconds."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for the placement group before giving up with what is missing."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints written with torch.distributed.checkpoint."""
+
+    enabled: bool = True
+    """Write checkpoints at all (a final one at least)."""
+    interval: int = 0
+    """Steps between checkpoints; 0 writes only the final one."""
+    path: Optional[str] = None
+    """Directory (or fsspec URI) for checkpoints; None uses `<run dir>/checkpoints`."""
+    keep_last: int = 2
+    """How many whole checkpoints to keep."""
+
+
+@dataclass
+class MonitorConfig:
+    """What the user sees and what is written."""
+
+    runs_dir: str = "runs"
+    """Parent of the run directories (`<runs_dir>/<name>-<time>`)."""
+    progress: bool = True
+    """Show a live progress bar (turned off automatically when output is not a terminal)."""
+    log_interval: int = 1
+    """Steps between metrics lines in metrics.jsonl."""
+
+
+@dataclass
+class JobConfig:
+    """A whole training job."""
+
+    name: str = "job"
+    """Job name: prefix of the run directory and of the Ray actor names."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+
+def conf_dir() -> Path:
+    """The directory of shipped defaults (`conf/` beside the package, or $ORCHESTRATOR_CONF_DIR)."""
+    env = os.environ.get("ORCHESTRATOR_CONF_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+
+
+def _load_yaml(path: Path, what: str) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"{what} {path}: no such file")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError carries the line; keep its first line
+        msg = str(e).strip().splitlines()
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(m.strip() for m in msg[:3])}") from e
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
+    return cfg
+
+
+def _friendly(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    msg = str(e).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not in" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _allowed_keys(parent)
+        return ConfigError(f"{source}: unknown key '{key}'; allowed here: {', '.join(allowed)}")
+    return ConfigError(f"{source}: key '{key}': {msg}")
+
+
+def _allowed_keys(parent: str) -> list[str]:
+    node: Any = OmegaConf.structured(JobConfig)
+    for part in [p for p in parent.split(".") if p]:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+    return sorted(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise _friendly(e, source) from e
+
+
+def load_config(job_file: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load a job: schema < conf/defaults.yaml < job `defaults:` < job file < overrides."""
+    cfg: DictConfig = OmegaConf.structured(JobConfig)
+    defaults = conf_dir() / "defaults.yaml"
+    if defaults.is_file():
+        cfg = _merge(cfg, _load_yaml(defaults, "defaults file"), str(defaults))
+    if job_file is not None:
+        job_path = Path(job_file)
+        job = _load_yaml(job_path, "job file")
+        includes = job.pop("defaults", [])
+        if not OmegaConf.is_list(includes) and not isinstance(includes, list):
+            raise ConfigError(f"{job_path}: 'defaults' must be a list of conf/ names, e.g. [cluster/dgx-h100]")
+        for name in includes:
+            inc = conf_dir() / f"{name}.yaml"
+            if not inc.is_file():
+                choices = sorted(str(p.relative_to(conf_dir()))[:-5] for p in conf_dir().rglob("*.yaml"))
+                raise ConfigError(f"{job_path}: defaults entry '{name}' not found in conf/; available: {', '.join(choices)}")
+            cfg = _merge(cfg, _load_yaml(inc, "defaults file"), str(inc))
+        cfg = _merge(cfg, job, str(job_path))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}': expected key=value, e.g. train.max_steps=100")
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override '{item}': {str(e).splitlines()[0]}") from e
+        cfg = _merge(cfg, dot, f"override '{item}'")
+    job_cfg: JobConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    validate(job_cfg)
+    return job_cfg
+
+
+def _auto_or_positive_int(value: Any, key: str) -> None:
+    if value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"key '{key}': expected 'auto' or a positive integer, got {value!r}")
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], key: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"key '{key}': expected one of {', '.join(allowed)}, got {value!r}")
+
+
+def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"key '{key}': must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field invariants the schema's types cannot state."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+        _positive(getattr(m, key), f"model.{key}")
+    if m.n_embd % m.n_head:
+        raise ConfigError(f"key 'model.n_embd': must be divisible by model.n_head ({m.n_head}), got {m.n_embd}")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"key 'model.dropout': must be in [0, 1), got {m.dropout}")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"key 'data.val_fraction': must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        raise ConfigError(f"key 'data.path': no such file {cfg.data.path}")
+    _positive(t.max_steps, "train.max_steps")
+    _positive(t.global_batch_size, "train.global_batch_size")
+    _auto_or_positive_int(t.micro_batch_size, "train.micro_batch_size")
+    _positive(t.lr, "train.lr")
+    _positive(t.min_lr, "train.min_lr", allow_zero=True)
+    _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
+    _positive(t.grad_clip, "train.grad_clip", allow_zero=True)
+    _positive(t.eval_interval, "train.eval_interval")
+    _positive(t.eval_iters, "train.eval_iters")
+    _positive(t.max_failures, "train.max_failures", allow_zero=True)
+    _one_of(t.precision, PRECISIONS, "train.precision")
+    _one_of(p.strategy, STRATEGIES, "parallel.strategy")
+    _auto_or_positive_int(p.tp, "parallel.tp")
+    _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
+    _one_of(p.recompute, RECOMPUTE, "parallel.recompute")
+    _one_of(p.sync, SYNC_ALGORITHMS, "parallel.sync")
+    _one_of(p.compression, COMPRESSION, "parallel.compression")
+    if p.bucket_mb != "auto" and (isinstance(p.bucket_mb, str) or p.bucket_mb <= 0):
+        raise ConfigError(f"key 'parallel.bucket_mb': expected 'auto' or a positive number, got {p.bucket_mb!r}")
+    if p.tp != "auto" and m.n_head % p.tp:
+        raise ConfigError(f"key 'parallel.tp': must divide model.n_head ({m.n_head}), got {p.tp}")
+    _positive(cfg.cluster.num_workers, "cluster.num_workers")
+    _positive(cfg.cluster.cpus_per_worker, "cluster.cpus_per_worker")
+    _positive(cfg.cluster.placement_timeout_s, "cluster.placement_timeout_s")
+    _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
+    _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    _positive(cfg.monitor.log_interval, "monitor.log_interval")
+    if not cfg.name or any(c in cfg.name for c in "/\\ "):
+        raise ConfigError(f"key 'name': a non-empty name without '/', '\\' or spaces, got {cfg.name!r}")
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: JobConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
