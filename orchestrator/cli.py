@@ -1,0 +1,54 @@
+"""Command line: `python -m orchestrator <command> ...`.
+
+Each command lives in `orchestrator/commands/<name>.py` with `add_arguments(parser)` and
+`run(args) -> int`, so a command's imports (Ray, torch) load only when it runs. A
+:class:`UserError` becomes one line on stderr and exit code 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from .errors import UserError
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "submit": ("submit", "train a job: probe, plan, place and run it"),
+    "plan": ("plan", "show the plan for a job on this cluster or a described one"),
+    "probe": ("probe", "show the interconnect topology of this cluster or of a capture file"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m orchestrator",
+        description="Topology-aware distributed training on Ray.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+        importlib.import_module(f"orchestrator.commands.{module}").add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        module = importlib.import_module(f"orchestrator.commands.{args._module}")
+        return int(module.run(args) or 0)
+    except UserError as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Models and data a job can name. Imports torch only, never the orchestrator runtime."""
