@@ -157,6 +157,8 @@ class MonitorConfig:
     """Show a live progress bar (turned off automatically when output is not a terminal)."""
     log_interval: int = 1
     """Steps between metrics lines in metrics.jsonl."""
+    dashboard: bool = True
+    """Start the Ray dashboard with the embedded cluster (an existing cluster has its own)."""
 
 
 @dataclass

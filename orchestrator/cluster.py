@@ -1,0 +1,52 @@
+"""Connecting to Ray: a private embedded cluster by default, or an existing one by address."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import UserError
+
+
+@contextmanager
+def connect(
+    address: str | None,
+    *,
+    num_cpus: float | None = None,
+    dashboard: bool = False,
+    runtime_env: dict | None = None,
+) -> Iterator[str | None]:
+    """Yield with Ray initialised; shut down only what this call started.
+
+    `address=None` always starts a new private local cluster (`address="local"`), so neither
+    RAY_ADDRESS nor a stale `/tmp/ray/ray_current_cluster` can attach the job to someone
+    else's cluster by accident. Yields the dashboard URL when there is one.
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield None
+        return
+    kwargs: dict = dict(
+        include_dashboard=dashboard,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        runtime_env=runtime_env,
+        # Ray prints its own banner and usage-stats notice; our CLI says what matters.
+        configure_logging=True,
+    )
+    if address is None:
+        cpus = max(os.cpu_count() or 1, int(num_cpus or 0))
+        kwargs.update(address="local", num_cpus=cpus)
+    else:
+        kwargs.update(address=address)
+    try:
+        ctx = ray.init(**kwargs)
+    except ConnectionError as e:
+        raise UserError(f"cluster.address={address}: cannot connect to a Ray cluster there ({e})") from e
+    try:
+        yield getattr(ctx, "dashboard_url", None) or None
+    finally:
+        ray.shutdown()

@@ -1,0 +1,28 @@
+"""`submit JOB [key=value ...]`: run a training job on the embedded cluster or a Ray cluster."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="job file, e.g. jobs/llm.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.max_steps=100")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..cluster import connect
+    from ..config import load_config
+    from ..rundir import RunDir
+    from ..runtime.driver import run_job
+
+    cfg = load_config(args.job, args.overrides)
+    console = Console()
+    run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    console.print(f"run directory: {run_dir.path}")
+    need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
+    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
+        run_job(cfg, run_dir, console, dashboard_url)
+    return 0

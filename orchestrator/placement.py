@@ -1,0 +1,164 @@
+"""Plan -> Ray placement group -> one named worker actor per rank, bound to its planned device.
+
+Each rank gets one bundle (`{"CPU": c, "GPU": 1}`), pinned to the node the plan chose with a
+label selector on Ray's built-in `ray.io/node-id` label. Ray, not us, picks which GPU of a node
+a bundle holds, so on GPUs we first ask every bundle which GPU it got, then create the actor
+of plan rank r in the bundle holding r's planned GPU. Every actor then reports where it really
+runs, and a layout that differs from the plan stops the run before training.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .errors import PlacementError
+
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+@dataclass
+class Placement:
+    """What is running where: the placement group, the actors in rank order, their reports."""
+
+    group: Any
+    actors: list[Any]
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+    def release(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead: that is what we wanted
+                pass
+        try:
+            remove_placement_group(self.group)
+        except Exception:
+            pass
+
+
+def _bundles(plan: dict[str, Any], use_gpu: bool, cpus: float, pin: bool) -> tuple[list[dict], list[dict] | None]:
+    bundles, selectors = [], []
+    for r in plan["ranks"]:
+        b: dict[str, float] = {"CPU": cpus}
+        if use_gpu:
+            b["GPU"] = 1
+        bundles.append(b)
+        selectors.append({NODE_ID_LABEL: r["node"]})
+    return bundles, (selectors if pin else None)
+
+
+def _missing(bundles: list[dict], selectors: list[dict] | None) -> str:
+    """Say what the cluster lacks, per node, for a group that did not become ready."""
+    need: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for i, b in enumerate(bundles):
+        node = selectors[i][NODE_ID_LABEL] if selectors else "any node"
+        for k, v in b.items():
+            need[node][k] += v
+    alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+    parts = []
+    for node, res in need.items():
+        if node != "any node" and node not in alive:
+            parts.append(f"node {node[:12]} is not alive")
+            continue
+        have = alive[node]["Resources"] if node in alive else ray.cluster_resources()
+        short = [f"{k} {v:g} (has {have.get(k, 0):g})" for k, v in res.items() if have.get(k, 0) < v]
+        if short:
+            parts.append(f"{'cluster' if node == 'any node' else 'node ' + node[:12]} needs " + ", ".join(short))
+    return "; ".join(parts) or "resources are held by other jobs"
+
+
+@ray.remote(num_cpus=0)
+def _bundle_gpu() -> tuple[str, int]:
+    return ray.get_runtime_context().get_node_id(), int(ray.get_gpu_ids()[0])
+
+
+def place(
+    plan: dict[str, Any],
+    *,
+    job: str,
+    use_gpu: bool,
+    cpus_per_worker: float,
+    threads_per_worker: int,
+    timeout_s: float,
+    pin_nodes: bool = True,
+) -> Placement:
+    """Reserve the plan's devices and start one worker actor per rank, in rank order."""
+    from .runtime.worker import Worker
+
+    bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes)
+    pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
+    ready = pg.ready()
+    done, _ = ray.wait([ready], timeout=timeout_s)
+    if not done:
+        msg = _missing(bundles, selectors)
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"the cluster cannot hold the plan's {len(bundles)} workers after {timeout_s:g}s "
+            f"(cluster.placement_timeout_s): {msg}"
+        )
+
+    ranks = plan["ranks"]
+    bundle_of_rank = list(range(len(ranks)))
+    if use_gpu:
+        held = ray.get([
+            _bundle_gpu.options(
+                num_gpus=1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(len(bundles))
+        ])
+        bundle_at = {(node, gpu): i for i, (node, gpu) in enumerate(held)}
+        try:
+            bundle_of_rank = [bundle_at[(r["node"], r["gpu"])] for r in ranks]
+        except KeyError:
+            remove_placement_group(pg)
+            got = sorted(f"{n[:8]}:{g}" for n, g in held)
+            want = sorted(f"{r['node'][:8]}:{r['gpu']}" for r in ranks)
+            raise PlacementError(f"Ray reserved GPUs {got} but the plan needs {want}; "
+                                 f"plan for all GPUs of each node or free the others") from None
+
+    slot_on_node: dict[str, int] = defaultdict(int)
+    actors = []
+    for r in ranks:
+        slot = slot_on_node[r["node"]]
+        slot_on_node[r["node"]] += 1
+        actors.append(
+            Worker.options(
+                name=f"{job}/rank-{r['rank']}",
+                num_cpus=cpus_per_worker,
+                num_gpus=1 if use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=bundle_of_rank[r["rank"]]
+                ),
+                # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
+                # peers from NCCL and turns NVLink/P2P off; each worker picks its GPU itself.
+                runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if use_gpu else None,
+                max_restarts=0,
+            ).remote(r["rank"], len(ranks), slot, threads_per_worker)
+        )
+    placement = Placement(group=pg, actors=actors)
+    try:
+        placement.reports = ray.get([a.report.remote() for a in actors], timeout=timeout_s)
+    except Exception:
+        placement.release()
+        raise
+    check_layout(plan, placement.reports, use_gpu)
+    return placement
+
+
+def check_layout(plan: dict[str, Any], reports: list[dict[str, Any]], use_gpu: bool) -> None:
+    """Stop before training when an actor does not run on its planned node and device."""
+    for want, got in zip(plan["ranks"], reports):
+        if got["node_id"] != want["node"] or (use_gpu and got["gpu"] != want["gpu"]):
+            where = f"node {got['node_id'][:12]} GPU {got['gpu']}" if use_gpu else f"node {got['node_id'][:12]}"
+            raise PlacementError(
+                f"rank {want['rank']} runs on {where} but the plan put it on node {want['node'][:12]} "
+                f"device {want['gpu']}; the layout does not match the plan"
+            )
+

@@ -1,0 +1,63 @@
+"""The run directory: one per `submit`, never reused, written as the run goes.
+
+    runs/<name>-<YYYYmmdd-HHMMSS>/
+        config.yaml      the merged config
+        topology.json    the probed cluster
+        plan.json        the plan (strategy, mesh, rank -> node/GPU, predictions)
+        placement.json   what each worker actor reported: rank, node, GPU or CPU slot, pid
+        metrics.jsonl    one JSON line per optimizer step
+        summary.json     the outcome, with the plan's predictions beside the measurements
+        loss.svg         the loss curve
+        checkpoints/     committed DCP checkpoints (step_XXXXXXXX/)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, runs_dir: str | os.PathLike, name: str) -> "RunDir":
+        """A new directory; an existing one of the same name is never touched (a suffix is added)."""
+        parent = Path(runs_dir)
+        parent.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for i in range(1000):
+            path = parent / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
+            try:
+                path.mkdir()  # atomic: fails if another submit took the name first
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"could not find a free run directory name under {parent}")
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def write_text(self, name: str, text: str) -> Path:
+        p = self.path / name
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(p)  # readers never see half a file
+        return p
+
+    def write_json(self, name: str, data: Any) -> Path:
+        return self.write_text(name, json.dumps(data, indent=2, default=str) + "\n")
+
+    def append_jsonl(self, name: str, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            with open(self.path / name, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
+
+    def read_json(self, name: str) -> Any:
+        return json.loads((self.path / name).read_text())

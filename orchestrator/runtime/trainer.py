@@ -1,0 +1,157 @@
+"""The training loop of one rank, free of Ray: a worker actor drives it, so can torchrun.
+
+One optimizer step = `grad_accum_steps` micro-steps over this rank's data-parallel share of
+the step's global batch; gradient sync happens only on the last micro-step. The loss logged
+is the mean over the whole global batch, the same number a single process would print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import JobConfig
+from ..workloads.data import TextData, load_tokens
+from ..workloads.gpt import GPT, GPTConfig, param_groups
+from .parallelize import ParallelSpec, Parallelized, build_mesh, data_parallel_rank, parallelize
+from .schedule import lr_at
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    step_s: float
+    tokens_per_s: float
+    grad_norm: float
+    val_loss: float | None = None
+
+
+def resolve_precision(precision: str, device_type: str) -> torch.dtype | None:
+    """The autocast dtype: bf16 on GPU for `auto`, none (fp32) on CPU, as the config says."""
+    if precision == "fp32" or (precision == "auto" and device_type != "cuda"):
+        return None
+    if precision == "fp16":
+        return torch.float16
+    return torch.bfloat16
+
+
+class Trainer:
+    """Model, data, optimizer and loop of one rank under a plan."""
+
+    def __init__(self, cfg: JobConfig, plan: dict[str, Any], device: torch.device) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if plan["world_size"] != self.world:
+            raise RuntimeError(f"plan is for {plan['world_size']} ranks but the process group has {self.world}")
+        sync = plan["sync"]
+        self.accum = int(sync["grad_accum_steps"])
+        self.micro = int(plan["micro_batch_size"])
+        self.spec = ParallelSpec(
+            strategy=plan["strategy"],
+            mesh=dict(plan["mesh"]),
+            bucket_mb=float(sync["bucket_mb"]),
+            compression=sync["compression"],
+            recompute=plan.get("recompute", "none"),
+        )
+        self.mesh = build_mesh(self.spec, device.type)
+        self.dp_rank, self.dp_world = data_parallel_rank(self.mesh)
+        gb = cfg.train.global_batch_size
+        if self.micro * self.accum * self.dp_world != gb:
+            raise RuntimeError(
+                f"plan does not cover the global batch: micro {self.micro} x accum {self.accum} x "
+                f"data-parallel {self.dp_world} != train.global_batch_size {gb}"
+            )
+        self.autocast_dtype = resolve_precision(cfg.train.precision, device.type)
+
+        torch.manual_seed(cfg.train.seed)  # same init on every rank, before any sharding
+        m = cfg.model
+        model = GPT(GPTConfig(m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.dropout, m.bias))
+        self.num_params = model.num_params()
+        model.to(device)
+        t = cfg.train
+        self.par: Parallelized = parallelize(
+            model,
+            self.spec,
+            self.mesh,
+            lambda mod: torch.optim.AdamW(
+                param_groups(mod, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2)
+            ),
+            device,
+        )
+        self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
+        self.tokens_per_step = gb * m.block_size
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so
+        # the mean over the world is the mean over the global batch.
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value.item() / self.world
+
+    def train_step(self, step: int) -> StepResult:
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
+        for group in self.par.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.data.train_batch(step, t.global_batch_size, self.dp_rank, self.dp_world)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        model = self.par.model
+        model.train()
+        total = torch.zeros((), device=self.device)
+        for i in range(self.accum):
+            sl = slice(i * self.micro, (i + 1) * self.micro)
+            last = i == self.accum - 1
+            # Gradients are reduced on the last micro-step only; forward and backward both sit
+            # inside no_sync because DDP decides at forward time whether backward will sync.
+            with contextlib.nullcontext() if last else self.par.no_sync():
+                with self._autocast():
+                    loss = model(x[sl], y[sl]) / self.accum
+                loss.backward()
+            total += loss.detach()
+        grad_norm = self.par.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else float("nan")
+        self.par.optimizer.step()
+        self.par.optimizer.zero_grad(set_to_none=True)
+        mean_loss = self._global_mean(total)
+        step_s = time.perf_counter() - t0
+        return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
+                          tokens_per_s=self.tokens_per_step / step_s, grad_norm=float(grad_norm))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        model = self.par.model
+        model.eval()
+        total = torch.zeros((), device=self.device)
+        per_eval = max(self.dp_world, self.micro * self.dp_world)
+        for i in range(t.eval_iters):
+            x, y = self.data.val_batch(i, per_eval, self.dp_rank, self.dp_world)
+            with self._autocast():
+                total += model(x.to(self.device), y.to(self.device)).float()
+        return self._global_mean(total / t.eval_iters)
+
+
+def init_process_group(rank: int, world: int, master_addr: str, master_port: int, backend: str) -> None:
+    """Rendezvous over TCP on rank 0's address (no env:// so nothing leaks between runs)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world,
+    )

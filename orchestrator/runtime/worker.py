@@ -1,0 +1,145 @@
+"""The worker actor: one per GPU (or CPU slot), a thin Ray shell around the Trainer.
+
+The actor runs its whole step range in one call and pushes each step's metrics to the
+driver's sink without waiting for an answer, so the training loop never blocks on Ray and the
+driver can watch progress and failures at the same time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _pci_bus_id(gpu: int | None) -> str | None:
+    if gpu is None:
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(gpu))
+            bus = info.busId
+            return bus.decode() if isinstance(bus, bytes) else bus
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML here (fake GPUs, containers): the id is simply unknown
+        return None
+
+
+def device_report(cpu_slot: int) -> dict[str, Any]:
+    """Where this process runs, as Ray and the OS see it (placement.json records it)."""
+    ctx = ray.get_runtime_context()
+    gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+    gpu = gpu_ids[0] if gpu_ids else None
+    return {
+        "node_id": ctx.get_node_id(),
+        "hostname": socket.gethostname(),
+        "ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+        "gpu_ids": gpu_ids,
+        "gpu": gpu,
+        "cpu_slot": None if gpu_ids else cpu_slot,
+        "pci_bus_id": _pci_bus_id(gpu),
+        "actor_id": ctx.get_actor_id(),
+    }
+
+
+@ray.remote
+class MetricsSink:
+    """Collects what ranks push; the driver drains it."""
+
+    def __init__(self) -> None:
+        self._items: list[dict[str, Any]] = []
+
+    def put(self, item: dict[str, Any]) -> None:
+        self._items.append(item)
+
+    def drain(self) -> list[dict[str, Any]]:
+        items, self._items = self._items, []
+        return items
+
+
+@ray.remote
+class Worker:
+    def __init__(self, rank: int, world: int, cpu_slot: int, threads: int) -> None:
+        import torch
+
+        self.rank = rank
+        self.world = world
+        self.cpu_slot = cpu_slot
+        torch.set_num_threads(max(1, threads))
+        self.trainer = None
+
+    def report(self) -> dict[str, Any]:
+        return {"rank": self.rank, **device_report(self.cpu_slot)}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, cfg, plan: dict[str, Any], master: tuple[str, int]) -> dict[str, Any]:
+        import torch
+
+        from .trainer import Trainer, init_process_group
+
+        gpus = ray.get_gpu_ids()
+        if gpus:
+            # Every worker sees all of the node's job GPUs (NCCL needs its peers for P2P and
+            # NVLink), so pick ours by Ray's id, not by cuda:0.
+            device = torch.device("cuda", int(gpus[0]))
+            torch.cuda.set_device(device)
+            backend = "nccl"
+        else:
+            device = torch.device("cpu")
+            backend = "gloo"
+        init_process_group(self.rank, self.world, master[0], master[1], backend)
+        self.trainer = Trainer(cfg, plan, device)
+        return {"num_params": self.trainer.num_params, "notes": list(self.trainer.par.notes),
+                "state_bytes": self.trainer.par.state_bytes(), "backend": backend}
+
+    def train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
+        """Run optimizer steps [start, end); rank 0 pushes each step's metrics to `sink`."""
+        from . import checkpoint
+
+        tr = self.trainer
+        cfg = tr.cfg
+        last_val = None
+        if start == 0:
+            last_val = tr.evaluate()  # the untrained model's loss: the baseline of the curve
+            if self.rank == 0:
+                sink.put.remote({"kind": "eval", "step": 0, "val_loss": last_val})
+        for step in range(start, end):
+            res = tr.train_step(step)
+            done = step + 1  # metrics count completed optimizer steps
+            final = done == cfg.train.max_steps
+            if done % cfg.train.eval_interval == 0 or final:
+                res.val_loss = last_val = tr.evaluate()
+            if self.rank == 0:
+                sink.put.remote({"kind": "step", **asdict(res), "step": done})
+            every = cfg.checkpoint.interval
+            if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
+                path = checkpoint.save(
+                    checkpoint_dir, done, tr.par.state_dict(),
+                    {"world_size": self.world, "strategy": tr.spec.strategy, "mesh": tr.spec.mesh},
+                    cfg.checkpoint.keep_last,
+                )
+                if self.rank == 0:
+                    sink.put.remote({"kind": "checkpoint", "step": done, "path": str(path)})
+        return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes()}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
