@@ -131,6 +131,11 @@ class ClusterConfig:
     """One-way latency between nodes, microseconds."""
     placement_timeout_s: float = 120.0
     """How long to wait for the placement group before giving up with what is missing."""
+    topology_file: Optional[str] = None
+    """A topology capture (any probe format, one node) to plan for instead of probing; relative
+    paths are looked up beside the job file, then in `conf/`. Used by `plan` only."""
+    nodes: int = 1
+    """How many nodes like `topology_file` the described cluster has."""
 
 
 @dataclass
@@ -162,6 +167,16 @@ class MonitorConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """How far the world may shrink or grow when the driver re-plans after a failure."""
+
+    min_workers: int = 1
+    """Fewest devices to continue with; below it the run fails instead of re-planning."""
+    max_workers: int = 0
+    """Most devices to use; 0 means all the cluster has."""
+
+
+@dataclass
 class JobConfig:
     """A whole training job."""
 
@@ -174,6 +189,7 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
 
 def conf_dir() -> Path:
@@ -305,9 +321,17 @@ def validate(cfg: JobConfig) -> None:
     _positive(cfg.cluster.num_workers, "cluster.num_workers")
     _positive(cfg.cluster.cpus_per_worker, "cluster.cpus_per_worker")
     _positive(cfg.cluster.placement_timeout_s, "cluster.placement_timeout_s")
+    _positive(cfg.cluster.nodes, "cluster.nodes")
     _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
     _positive(cfg.monitor.log_interval, "monitor.log_interval")
+    _positive(cfg.elastic.min_workers, "elastic.min_workers")
+    _positive(cfg.elastic.max_workers, "elastic.max_workers", allow_zero=True)
+    if cfg.elastic.max_workers and cfg.elastic.max_workers < cfg.elastic.min_workers:
+        raise ConfigError(
+            f"key 'elastic.max_workers': must be 0 or >= elastic.min_workers ({cfg.elastic.min_workers}), "
+            f"got {cfg.elastic.max_workers}"
+        )
     if not cfg.name or any(c in cfg.name for c in "/\\ "):
         raise ConfigError(f"key 'name': a non-empty name without '/', '\\' or spaces, got {cfg.name!r}")
 

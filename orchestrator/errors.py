@@ -27,3 +27,13 @@ class PlanError(UserError):
 
 class PlacementError(UserError):
     """The cluster cannot hold the plan (missing nodes, GPUs, or a layout mismatch)."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is partial, corrupted, or cannot be loaded into this run."""
+
+
+class RunFailed(UserError):
+    """Training failed more often than `train.max_failures` allows (exit code 1, not a usage error)."""
+
+    exit_code = 1

@@ -8,6 +8,29 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", help="job file, e.g. jobs/llm.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.max_steps=100")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR",
+        help="continue from the latest whole checkpoint of an earlier run (its directory is only read)",
+    )
+
+
+def resume_checkpoint(run_dir: str) -> str:
+    """The latest whole checkpoint of a run directory (or of a checkpoints directory)."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from ..errors import CheckpointError
+    from ..runtime.driver import latest_whole_checkpoint
+
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"--resume {run_dir}: no such run directory")
+    for candidate in (root / "checkpoints", root):
+        found = latest_whole_checkpoint(str(candidate), Console(stderr=True))
+        if found:
+            return found[0]
+    raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root / 'checkpoints'}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,10 +42,11 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.driver import run_job
 
     cfg = load_config(args.job, args.overrides)
+    resume = resume_checkpoint(args.resume) if args.resume else None
     console = Console()
     run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
     console.print(f"run directory: {run_dir.path}")
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
-        run_job(cfg, run_dir, console, dashboard_url)
+        run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
     return 0

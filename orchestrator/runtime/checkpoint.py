@@ -1,66 +1,155 @@
 """Sharded checkpoints with torch.distributed.checkpoint, committed atomically.
 
-Every rank writes its shards into `.step_XXXXXXXX.partial/`; after DCP has written its
-metadata and all ranks have passed a barrier, rank 0 writes `meta.json` and renames the
-directory to `step_XXXXXXXX`. A checkpoint directory therefore exists whole or not at all, and
-a crash mid-write leaves only a `.partial` directory that loading ignores. `meta.json` holds
-the plain-data part of the state (step, world size, strategy), so loading never unpickles.
+Every rank writes its shards into `.step_XXXXXXXX.partial/`. After DCP has written its
+metadata and all ranks have passed a barrier, rank 0 writes `meta.json` (step, world size,
+strategy, and the size and SHA-256 of every file) and, on a local filesystem, renames the
+directory to `step_XXXXXXXX`. On object stores (`s3://`, `gs://`, any fsspec URI), where a
+rename is a copy, shards go straight to the final name and `meta.json`, written last, is the
+commit. Either way a checkpoint counts only when its `meta.json` exists and every file matches
+it, so a crash mid-write leaves the previous checkpoint as the latest whole one. `meta.json`
+holds the plain-data state, so loading never unpickles anything.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import shutil
-from pathlib import Path
+import warnings
 from typing import Any
 
+import fsspec
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ..errors import CheckpointError
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save(root: str | Path, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> Path:
-    """Write the checkpoint of `step` under `root`; returns the committed directory."""
-    root = Path(root)
-    final = root / step_dir_name(step)
-    partial = root / f".{step_dir_name(step)}.partial"
+def _fs(root: str):
+    fs, path = fsspec.core.url_to_fs(str(root))
+    return fs, path.rstrip("/")
+
+
+def _is_local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def _url(fs, path: str) -> str:
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
+
+
+def _manifest(fs, directory: str) -> dict[str, dict[str, Any]]:
+    files = {}
+    for f in sorted(fs.find(directory)):
+        name = f[len(directory) + 1:]
+        if name == META:
+            continue
+        h = hashlib.sha256()
+        with fs.open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        files[name] = {"bytes": fs.size(f), "sha256": h.hexdigest()}
+    return files
+
+
+def save(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> str:
+    """Write the checkpoint of `step` under `root`; returns the committed checkpoint's path."""
+    fs, base = _fs(root)
+    final = f"{base}/{step_dir_name(step)}"
+    target = f"{base}/.{step_dir_name(step)}.partial" if _is_local(fs) else final
     if dist.get_rank() == 0:
-        if final.exists():
+        if fs.exists(f"{final}/{META}"):
             # Never overwrite a committed checkpoint: a user may be relying on it.
-            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
-        root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():
-            shutil.rmtree(partial)  # left by an interrupted write of this same step
+            raise CheckpointError(f"checkpoint {_url(fs, final)} already exists; refusing to overwrite it")
+        if fs.exists(target):
+            fs.rm(target, recursive=True)  # left by an interrupted write of this same step
+        fs.makedirs(target, exist_ok=True)
     dist.barrier()
-    dcp.save(state, checkpoint_id=str(partial))
+    dcp.save(state, checkpoint_id=_url(fs, target))
     dist.barrier()
     if dist.get_rank() == 0:
-        (partial / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=2))
-        partial.rename(final)
-        _prune(root, keep_last)
+        record = {"step": step, **meta, "files": _manifest(fs, target)}
+        with fs.open(f"{target}/{META}", "w") as f:
+            f.write(json.dumps(record, indent=2))
+        if target != final:
+            fs.mv(target, final, recursive=True)
+        _prune(fs, base, keep_last)
     dist.barrier()
-    return final
+    return _url(fs, final)
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    for old in committed(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(fs, base: str, keep_last: int) -> None:
+    for old in committed(_url(fs, base))[:-keep_last]:
+        o_fs, o_path = _fs(old)
+        o_fs.rm(o_path, recursive=True)
 
 
-def committed(root: str | Path) -> list[Path]:
-    """Committed checkpoint directories under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
+def committed(root: str) -> list[str]:
+    """Checkpoints under `root` that have been committed (meta.json present), oldest first."""
+    fs, base = _fs(root)
+    if not fs.isdir(base):
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+    found = []
+    for entry in fs.ls(base, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        m = _STEP_DIR.match(name)
+        if m and fs.exists(f"{entry}/{META}"):
+            found.append((int(m.group(1)), _url(fs, entry.rstrip("/"))))
+    return [p for _, p in sorted(found)]
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / "meta.json").read_text())
+def verify(path: str) -> dict[str, Any]:
+    """meta.json of a committed checkpoint whose every file matches its manifest, else CheckpointError."""
+    fs, p = _fs(path)
+    try:
+        with fs.open(f"{p}/{META}", "r") as f:
+            meta = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no {META}, so it was never committed (a partial write)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupted ({e})") from None
+    for name, want in meta.get("files", {}).items():
+        f = f"{p}/{name}"
+        if not fs.exists(f):
+            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+        if fs.size(f) != want["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: file {name} has {fs.size(f)} bytes, expected {want['bytes']}")
+        h = hashlib.sha256()
+        with fs.open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != want["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: file {name} is corrupted (checksum mismatch)")
+    return meta
+
+
+def load(path: str, state: dict[str, Any]) -> None:
+    """Fill `state` in place from the checkpoint at `path` (DCP reshards to this run's layout)."""
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {str(e).splitlines()[0]}") from e
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    fs, p = _fs(path)
+    with fs.open(f"{p}/{META}", "r") as f:
+        return json.loads(f.read())
+
+
+def load_model_weights(path: str, model) -> None:
+    """Load the model part of a checkpoint into a plain (unwrapped) module, with no process
+    group: for evaluation, export, and checking runs against each other."""
+    verify(path)
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*load in a single process.*")
+        dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(sd)

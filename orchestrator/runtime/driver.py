@@ -6,17 +6,19 @@ training state itself, and writes everything to the run directory as it goes.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 from rich.console import Console
 from rich.table import Table
 
 from ..config import JobConfig, to_yaml
-from ..errors import PlanError
+from ..errors import CheckpointError, PlanError, RunFailed
 from ..rundir import RunDir
 from .curve import loss_svg
 from .progress import ProgressView
@@ -24,14 +26,30 @@ from .progress import ProgressView
 
 @dataclass
 class RunState:
-    """What the driver has seen of the run so far."""
+    """What the driver has seen of the run so far (across restarts)."""
 
-    train: list[tuple[int, float]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """One metrics row per completed step, as written to metrics.jsonl."""
     val: list[tuple[int, float]] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
-    last_step: int = 0
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int:
+        return self.rows[-1]["step"] if self.rows else 0
+
+    def rewind(self, step: int) -> None:
+        """Forget what happened after `step`: a resumed run recomputes those steps."""
+        self.rows = [r for r in self.rows if r["step"] <= step]
+        self.val = [v for v in self.val if v[0] <= step]
+
+
+class WorkerFailure(Exception):
+    """A worker actor died or a rank raised while training."""
+
+    def __init__(self, reason: str, ranks: list[int], nodes: list[str]) -> None:
+        super().__init__(reason)
+        self.reason, self.ranks, self.nodes = reason, ranks, nodes
 
 
 def _use_gpu(topology) -> bool:
@@ -54,18 +72,96 @@ def _steady_mean(values: list[float]) -> float:
     return sum(tail) / len(tail) if tail else float("nan")
 
 
-def run_job(cfg: JobConfig, run: RunDir, console: Console, dashboard_url: str | None = None) -> dict[str, Any]:
-    """Run the job on the connected Ray cluster; returns the summary written to summary.json."""
+def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | None:
+    """The newest checkpoint under `root` that verifies; damaged ones are named and skipped."""
+    from . import checkpoint
+
+    for path in reversed(checkpoint.committed(root)):
+        try:
+            meta = checkpoint.verify(path)
+        except CheckpointError as e:
+            console.print(f"[yellow]warning:[/] {e}; trying the previous checkpoint")
+            continue
+        return path, int(meta["step"])
+    return None
+
+
+def run_job(
+    cfg: JobConfig,
+    run: RunDir,
+    console: Console,
+    dashboard_url: str | None = None,
+    resume_from: str | None = None,
+) -> dict[str, Any]:
+    """Run the job on the connected Ray cluster, restarting after failures up to
+    `train.max_failures` times; returns the summary written to summary.json."""
+    t_start = time.monotonic()
+    run.write_text("config.yaml", to_yaml(cfg))
+    if dashboard_url:
+        console.print(f"Ray dashboard: http://{dashboard_url}")
+    ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
+    state = RunState()
+    resume = resume_from
+    while True:
+        try:
+            plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume)
+            break
+        except WorkerFailure as f:
+            found = latest_whole_checkpoint(ckpt_dir, console)
+            if found is None and resume_from:
+                found = (resume_from, int(_read_meta(resume_from)["step"]))
+            resume, resume_step = found if found else (None, 0)
+            restart = {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "reason": f.reason,
+                "ranks": f.ranks,
+                "nodes": f.nodes,
+                "failed_at_step": state.last_step,
+                "resumed_from_step": resume_step,
+                "steps_lost": max(0, state.last_step - resume_step),
+            }
+            state.restarts.append(restart)
+            if len(state.restarts) > cfg.train.max_failures:
+                run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+                raise RunFailed(
+                    f"rank(s) {f.ranks} failed ({f.reason}) and train.max_failures={cfg.train.max_failures} "
+                    f"restarts are used up; the last whole checkpoint is {resume or 'none'}"
+                ) from f
+            console.print(
+                f"[red]failure:[/] {f.reason} (ranks {f.ranks}); restart {len(state.restarts)}/"
+                f"{cfg.train.max_failures} from " + (f"step {resume_step} ({resume})" if resume else
+                                                    "step 0: no checkpoint was written yet")
+            )
+            state.rewind(resume_step)
+            run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in state.rows))
+
+    wall = time.monotonic() - t_start
+    summary = _summary(cfg, plan, state, setups, finals, wall, reports)
+    if resume_from:
+        summary["resumed_from"] = resume_from
+    run.write_json("summary.json", summary)
+    train = [(r["step"], r["loss"]) for r in state.rows]
+    run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan['strategy']} on {plan['world_size']} workers"))
+    _print_summary(console, summary, run)
+    return summary
+
+
+def _read_meta(path: str) -> dict[str, Any]:
+    from . import checkpoint
+
+    return checkpoint.verify(path)
+
+
+def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str, resume: str | None):
+    """One probe -> plan -> place -> train pass; raises WorkerFailure when a rank dies."""
     from ..placement import place
     from ..topology.cluster_probe import probe_cluster
 
-    t_start = time.monotonic()
-    run.write_text("config.yaml", to_yaml(cfg))
     with console.status("probing the cluster topology"):
         topology = probe_cluster(num_cpu_slots=cfg.cluster.num_workers)
     run.write_text("topology.json", topology.to_json())
     use_gpu = _use_gpu(topology)
-
+    topology = _elastic(cfg, topology)
     plan = _plan(cfg, topology)
     run.write_json("plan.json", plan)
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
@@ -73,9 +169,6 @@ def run_job(cfg: JobConfig, run: RunDir, console: Console, dashboard_url: str | 
         f"plan: [bold]{plan['strategy']}[/] on {plan['world_size']} {'GPUs' if use_gpu else 'CPU workers'} "
         f"({mesh}), micro-batch {plan['micro_batch_size']} x {plan['sync']['grad_accum_steps']} accumulation steps"
     )
-    if dashboard_url:
-        console.print(f"Ray dashboard: http://{dashboard_url}")
-
     with console.status(f"placing {plan['world_size']} workers"):
         placement = place(
             plan, job=cfg.name, use_gpu=use_gpu, cpus_per_worker=cfg.cluster.cpus_per_worker,
@@ -85,44 +178,76 @@ def run_job(cfg: JobConfig, run: RunDir, console: Console, dashboard_url: str | 
     try:
         run.write_json("placement.json", placement.reports)
         actors = placement.actors
-        master = ray.get(actors[0].rendezvous_address.remote())
-        with console.status("starting the process group and building the model"):
-            setups = ray.get([a.setup.remote(cfg, plan, master) for a in actors])
+        try:
+            master = ray.get(actors[0].rendezvous_address.remote())
+            with console.status("starting the process group and building the model"):
+                setups = ray.get([a.setup.remote(cfg, plan, master, resume) for a in actors])
+        except (RayActorError, RayTaskError) as e:
+            _raise_failure(e, placement)
         for note in setups[0]["notes"]:
             console.print(f"[yellow]note:[/] {note}")
-        state, finals = _train(cfg, run, console, actors)
+        start = setups[0]["start_step"]
+        if resume:
+            console.print(f"resumed from {resume} at step {start}")
+        finals = _train(cfg, run, console, placement, state, start, ckpt_dir)
         ray.get([a.shutdown.remote() for a in actors])
     finally:
         placement.release()
-
-    wall = time.monotonic() - t_start
-    summary = _summary(cfg, plan, state, setups, finals, wall, placement.reports)
-    run.write_json("summary.json", summary)
-    run.write_text("loss.svg", loss_svg(state.train, state.val, f"{cfg.name}: {plan['strategy']} on {plan['world_size']} workers"))
-    _print_summary(console, summary, run)
-    return summary
+    return plan, setups, finals, placement.reports
 
 
-def _train(cfg: JobConfig, run: RunDir, console: Console, actors: list) -> tuple[RunState, list[dict[str, Any]]]:
-    """Start every rank's step loop and follow it through the metrics sink until all return."""
+def _elastic(cfg: JobConfig, topology):
+    """The part of the cluster this job may use: at most elastic.max_workers devices (whole
+    nodes first, then the lowest device indices of the next node), at least min_workers."""
+    devices = topology.num_devices
+    if devices < cfg.elastic.min_workers:
+        raise PlanError(
+            f"the cluster has {devices} devices, fewer than elastic.min_workers={cfg.elastic.min_workers}"
+        )
+    if not cfg.elastic.max_workers or devices <= cfg.elastic.max_workers:
+        return topology
+    return topology.limit(cfg.elastic.max_workers)
+
+
+def _raise_failure(err: Exception, placement) -> None:
+    """Turn a rank's error into a WorkerFailure naming the ranks whose actors are dead."""
+    dead = []
+    for rank, a in enumerate(placement.actors):
+        try:
+            ray.get(a.report.remote(), timeout=10)
+        except Exception:
+            dead.append(rank)
+    nodes = sorted({placement.reports[r]["node_id"] for r in dead}) if placement.reports else []
+    kind = "worker died" if dead else "rank raised"
+    first = str(err).strip().splitlines()
+    detail = next((ln for ln in reversed(first) if ln.strip()), type(err).__name__)[:200]
+    raise WorkerFailure(f"{kind}: {detail}", dead, nodes) from err
+
+
+def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunState, start: int,
+           ckpt_dir: str) -> list[dict[str, Any]]:
+    """Run every rank's step loop and follow it through the metrics sink until all return."""
     from .worker import MetricsSink
 
+    actors = placement.actors
     sink = MetricsSink.options(num_cpus=0).remote()
-    ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
-    refs = [a.train.remote(0, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
-    state = RunState()
+    refs = [a.train.remote(start, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
     pending = list(refs)
-    with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
-        while True:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-            for ref in done:
-                ray.get(ref)  # re-raises a rank's failure here, with its traceback under --debug
-            _consume(ray.get(sink.drain.remote()), state, run, view, cfg.monitor.log_interval)
-            if not pending:
-                break
-    finals = ray.get(refs)
-    ray.kill(sink)
-    return state, finals
+    try:
+        with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
+            while True:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+                _consume(ray.get(sink.drain.remote()), state, run, view, cfg.monitor.log_interval)
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except (RayActorError, RayTaskError) as e:
+                        _raise_failure(e, placement)
+                if not pending:
+                    break
+        return ray.get(refs)
+    finally:
+        ray.kill(sink)
 
 
 def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:
@@ -134,22 +259,20 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
         elif kind == "checkpoint":
             state.checkpoints.append(it["path"])
         elif kind == "step":
-            state.last_step = it["step"]
-            state.train.append((it["step"], it["loss"]))
-            state.step_s.append(it["step_s"])
-            state.tokens_per_s.append(it["tokens_per_s"])
-            if it.get("val_loss") is not None:
-                state.val.append((it["step"], it["val_loss"]))
-            view.update(it, state.val[-1][1] if state.val else None)
-            if it["step"] % every == 0 or it.get("val_loss") is not None:
-                rows.append({k: it[k] for k in ("step", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "val_loss")})
+            row = {k: it[k] for k in ("step", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "val_loss")}
+            state.rows.append(row)
+            if row["val_loss"] is not None:
+                state.val.append((row["step"], row["val_loss"]))
+            view.update(row, state.val[-1][1] if state.val else None)
+            if row["step"] % every == 0 or row["val_loss"] is not None:
+                rows.append(row)
     run.append_jsonl("metrics.jsonl", rows)
 
 
 def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -> dict[str, Any]:
     first_val = state.val[0][1] if state.val else None
     final_val = state.val[-1][1] if state.val else None
-    measured_step = _steady_mean(state.step_s)
+    measured_step = _steady_mean([r["step_s"] for r in state.rows])
     predicted = plan.get("step_time", {}).get("total_s")
     predicted_mem = plan.get("memory_per_rank", {})
     measured_mem = [f["state_bytes"] for f in finals]
@@ -171,8 +294,8 @@ def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -
         "first_val_loss": first_val,
         "final_val_loss": final_val,
         "val_loss_drop": (1 - final_val / first_val) if first_val and final_val is not None else None,
-        "final_train_loss": state.train[-1][1] if state.train else None,
-        "tokens_per_s": _steady_mean(state.tokens_per_s),
+        "final_train_loss": state.rows[-1]["loss"] if state.rows else None,
+        "tokens_per_s": _steady_mean([r["tokens_per_s"] for r in state.rows]),
         "step_s": measured_step,
         "wall_s": wall,
         "checkpoints": state.checkpoints,
@@ -181,6 +304,7 @@ def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -
         "notes": setups[0]["notes"],
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
+        "restarts": state.restarts,
     }
 
 

@@ -92,6 +92,17 @@ class Trainer:
         self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
         self.tokens_per_step = gb * m.block_size
 
+    def load_checkpoint(self, path: str) -> int:
+        """Load model and optimizer from a committed checkpoint (any world size or strategy DCP
+        can reshard between); returns the step to continue from."""
+        from . import checkpoint
+
+        meta = checkpoint.verify(path)
+        state = self.par.state_dict()
+        checkpoint.load(path, state)
+        self.par.load_state_dict(state)
+        return int(meta["step"])
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -106,6 +117,9 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         t = self.cfg.train
         t0 = time.perf_counter()
+        # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run
+        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry.
+        torch.manual_seed(hash((t.seed, step, self.dp_rank)) & 0x7FFF_FFFF)
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
         for group in self.par.optimizer.param_groups:
             group["lr"] = lr

@@ -88,25 +88,32 @@ class Worker:
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, cfg, plan: dict[str, Any], master: tuple[str, int]) -> dict[str, Any]:
+    def setup(self, cfg, plan: dict[str, Any], master: tuple[str, int], resume_from: str | None = None) -> dict[str, Any]:
+        """Join the process group, build the model under the plan, and load `resume_from` if given."""
         import torch
 
         from .trainer import Trainer, init_process_group
 
+        notes = []
         gpus = ray.get_gpu_ids()
-        if gpus:
+        if gpus and torch.cuda.is_available():
             # Every worker sees all of the node's job GPUs (NCCL needs its peers for P2P and
             # NVLink), so pick ours by Ray's id, not by cuda:0.
             device = torch.device("cuda", int(gpus[0]))
             torch.cuda.set_device(device)
             backend = "nccl"
         else:
+            if gpus:
+                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: running on CPU with gloo")
             device = torch.device("cpu")
             backend = "gloo"
         init_process_group(self.rank, self.world, master[0], master[1], backend)
         self.trainer = Trainer(cfg, plan, device)
-        return {"num_params": self.trainer.num_params, "notes": list(self.trainer.par.notes),
-                "state_bytes": self.trainer.par.state_bytes(), "backend": backend}
+        start = 0
+        if resume_from:
+            start = self.trainer.load_checkpoint(resume_from)
+        return {"num_params": self.trainer.num_params, "notes": notes + list(self.trainer.par.notes),
+                "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start}
 
     def train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
         """Run optimizer steps [start, end); rank 0 pushes each step's metrics to `sink`."""

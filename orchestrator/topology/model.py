@@ -45,9 +45,9 @@ class Device:
     cpu_affinity: str | None = None
     """CPU list closest to the device, in `taskset` syntax (`0-47,96-143`); None when unknown."""
     pcie_gen: int | None = None
-    """Current PCIe link generation; None when unknown."""
+    """Maximum PCIe link generation (an idle GPU drops its current link to Gen1); None when unknown."""
     pcie_width: int | None = None
-    """Current PCIe link width (lanes); None when unknown."""
+    """Maximum PCIe link width (lanes); None when unknown."""
     fabric_clique: str | None = None
     """`<cluster uuid>/<clique id>` for multi-node NVLink (GB200 NVL72); None otherwise."""
     mig: bool = False
@@ -227,6 +227,29 @@ class ClusterTopology:
             if n.node_id == node_id:
                 return n
         raise KeyError(f"no node with id {node_id}")
+
+    def limit(self, max_devices: int) -> "ClusterTopology":
+        """The first `max_devices` devices: whole nodes while they fit, then the lowest
+        indices of the next node (with the links and NVLink domains among those kept)."""
+        nodes, left = [], max_devices
+        for n in self.nodes:
+            if left <= 0:
+                break
+            if n.num_devices <= left:
+                nodes.append(n)
+                left -= n.num_devices
+                continue
+            keep = {d.index for d in sorted(n.devices, key=lambda d: d.index)[:left]}
+            nodes.append(NodeTopology(
+                hostname=n.hostname, node_id=n.node_id, source=n.source,
+                devices=[d for d in n.devices if d.index in keep],
+                links=[l for l in n.links if l.a in keep and l.b in keep],
+                nics=n.nics,
+                nvlink_domains=[g for g in ([i for i in dom if i in keep] for dom in n.nvlink_domains) if len(g) > 1],
+                numa_nodes=n.numa_nodes, warnings=n.warnings,
+            ))
+            left = 0
+        return ClusterTopology(nodes=nodes, network=self.network)
 
     def to_dict(self) -> dict[str, Any]:
         return {"nodes": [n.to_dict() for n in self.nodes], "network": asdict(self.network)}

@@ -1,0 +1,1 @@
+"""Driver, worker actor, trainer, strategies, checkpoints: everything that runs the job."""

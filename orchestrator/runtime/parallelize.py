@@ -1,0 +1,343 @@
+"""Apply a planned sharding strategy to a model with torch's own parallelism.
+
+The plan arrives as a :class:`ParallelSpec`; :func:`build_mesh` turns its mesh into a
+3-D ``DeviceMesh`` (dp_replicate, dp_shard, tp) and :func:`parallelize` wraps the model:
+
+========  ==========================================================================
+ddp       ``DistributedDataParallel`` over all data-parallel ranks (buckets, comm hooks)
+zero1     DDP for gradients + ``ZeroRedundancyOptimizer`` sharding optimizer state
+zero2     FSDP2 ``fully_shard(reshard_after_forward=False)`` per block and root
+zero3     FSDP2 ``fully_shard(reshard_after_forward=True)`` per block and root
+hsdp      FSDP2 over the 2-D (dp_replicate, dp_shard) mesh: shard inside, replicate across
+========  ==========================================================================
+
+With ``tp > 1`` the blocks are first split with DTensor tensor parallelism and the data
+parallelism is FSDP2 over the dp axes (2-D / 3-D composition, as torchtitan does).
+For ddp, zero1, zero2 and zero3 the split of the data-parallel ranks between dp_replicate
+and dp_shard does not change the strategy: they use all R*S data-parallel ranks as one
+group. Only hsdp gives the two axes different roles.
+
+This module imports torch only; the Ray worker calls it after ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator.errors import PlanError
+from orchestrator.runtime.comm_hooks import COMPRESSIONS, fsdp_reduce_policy, register_ddp_compression
+from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+RECOMPUTES = ("none", "selective", "full")
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class ParallelSpec:
+    """The part of a plan that decides how the model is wrapped on every rank."""
+
+    strategy: str
+    """One of ddp | zero1 | zero2 | zero3 | hsdp."""
+    mesh: dict[str, int]
+    """Axis sizes {"dp_replicate": R, "dp_shard": S, "tp": T}; R*S*T is the world size."""
+    bucket_mb: float = 25.0
+    """DDP gradient bucket size in MB (ddp, zero1). FSDP2 communicates per fully_shard unit instead."""
+    compression: str = "none"
+    """Gradient compression: none | fp16 | bf16 | powersgd."""
+    recompute: str = "none"
+    """Activation recomputation: none | selective (attention only) | full (whole block)."""
+    static_graph: bool = False
+    """DDP static_graph: the set of used parameters is the same every step (ddp, zero1)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"parallel strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
+        if set(self.mesh) != set(MESH_DIMS):
+            raise PlanError(f"parallel mesh must have exactly the axes {', '.join(MESH_DIMS)}; got {sorted(self.mesh)}")
+        for name in MESH_DIMS:
+            size = self.mesh[name]
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise PlanError(f"parallel mesh axis {name} must be a positive integer; got {size!r}")
+        if not self.bucket_mb > 0:
+            raise PlanError(f"parallel bucket_mb must be positive; got {self.bucket_mb!r}")
+        if self.compression not in COMPRESSIONS:
+            raise PlanError(f"parallel compression must be one of {', '.join(COMPRESSIONS)}; got {self.compression!r}")
+        if self.recompute not in RECOMPUTES:
+            raise PlanError(f"parallel recompute must be one of {', '.join(RECOMPUTES)}; got {self.recompute!r}")
+        if self.strategy == "ddp" and self.mesh["tp"] > 1 and self.mesh["dp_shard"] > 1:
+            raise PlanError(
+                f"ddp with tp={self.mesh['tp']} replicates over dp_replicate only; "
+                f"dp_shard must be 1, got {self.mesh['dp_shard']} (use hsdp to shard)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh["dp_replicate"] * self.mesh["dp_shard"] * self.mesh["tp"]
+
+
+def build_mesh(spec: ParallelSpec, device_type: str) -> DeviceMesh:
+    """The job's 3-D mesh (dp_replicate, dp_shard, tp); tp is innermost so a TP group is adjacent ranks.
+
+    Adjacent ranks are what placement puts on one NVLink domain, so the innermost axis
+    carries the most frequent collective.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs torch.distributed initialised (init_process_group) first")
+    world = dist.get_world_size()
+    if spec.world_size != world:
+        raise PlanError(
+            f"parallel mesh {spec.mesh} covers {spec.world_size} ranks but the job has {world}; "
+            f"dp_replicate*dp_shard*tp must equal the number of workers"
+        )
+    shape = tuple(spec.mesh[name] for name in MESH_DIMS)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """(dp rank, dp world): this rank's share of the global batch; the ranks of one tp group share it."""
+    r, s = mesh.get_local_rank("dp_replicate"), mesh.get_local_rank("dp_shard")
+    size_s = mesh["dp_shard"].size()
+    return r * size_s + s, mesh["dp_replicate"].size() * size_s
+
+
+def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A 1-D mesh over all data-parallel ranks (the flattened dp_replicate x dp_shard)."""
+    if mesh["dp_shard"].size() == 1:
+        return mesh["dp_replicate"]
+    if mesh["dp_replicate"].size() == 1:
+        return mesh["dp_shard"]
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind `tensors` (local shards of DTensors) not yet in `seen`."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+@dataclass
+class Parallelized:
+    """A model wrapped for its strategy, with the optimizer built over the wrapped parameters."""
+
+    model: nn.Module
+    """The wrapped model (DDP, or the GPT itself with FSDP2/TP applied in place); call it as the GPT."""
+    optimizer: torch.optim.Optimizer
+    """Steps this rank's parameters (a ZeroRedundancyOptimizer for zero1)."""
+    notes: list[str] = field(default_factory=list)
+    """What was done differently from the plan, and why (one sentence each)."""
+    _synced_once: bool = field(default=False, init=False, repr=False)
+    """Whether DDP has run a forward with gradient sync on (its graph-recording iteration)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.register_forward_pre_hook(self._note_sync)
+
+    def _note_sync(self, module: DistributedDataParallel, _args: object) -> None:
+        if module.require_backward_grad_sync:
+            self._synced_once = True
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Skip gradient synchronisation (use for all but the last micro-batch of an accumulation)."""
+        if isinstance(self.model, DistributedDataParallel):
+            if self.model.static_graph and not self._synced_once:
+                # A static-graph DDP records the graph in its first iteration and cannot skip
+                # that iteration's all-reduce; syncing every micro-batch once is still exact.
+                return contextlib.nullcontext()
+            return self.model.no_sync()
+        return self._fsdp_no_sync()
+
+    @contextlib.contextmanager
+    def _fsdp_no_sync(self) -> Iterator[None]:
+        fsdp = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in fsdp:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in fsdp:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip all gradients to a global 2-norm of `max_norm`; returns the norm before clipping.
+
+        Gradients can be DTensors on different meshes (TP-sharded blocks on (dp, tp),
+        replicated embeddings on dp only), which one foreach norm cannot mix, so the norm
+        is taken per (mesh, placements) group, each made whole with ``full_tensor`` (the
+        cross-shard reduction), and combined.
+        """
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(p)
+        if not groups:
+            return 0.0
+        norms = []
+        for params in groups.values():
+            n = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+        total = torch.nn.utils.get_total_norm(norms)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
+
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        # ZeRO-1 keeps this rank's shard of the state in an ordinary optimizer over its partition.
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return self.optimizer.optim
+        return self.optimizer
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's model-state storage in bytes: params, grads (as held now), optimizer.
+
+        Counts real storages (padded FSDP2 shards, DDP's gradient buckets when grads are
+        bucket views) and each storage once, so tied weights and views are not doubled.
+        Call it after backward and before ``zero_grad`` to see the gradients.
+        """
+        seen: set[int] = set()
+        params = list(self.model.parameters())
+        param_bytes = _storage_bytes(params, seen)
+        grad_bytes = _storage_bytes((p.grad for p in params if p.grad is not None), seen)
+        states = (
+            v for s in self._local_optimizer().state.values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
+        optim_bytes = _storage_bytes(states, seen)
+        return {"params": param_bytes, "grads": grad_bytes, "optimizer": optim_bytes}
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer"} state with FQN keys and sharded tensors, ready for ``dcp.save``.
+
+        ZeRO-1 state is one plain optimizer per rank over a different parameter subset, which
+        DCP would otherwise take for replicated and save once; it goes under a per-rank key,
+        so it resumes on the same data-parallel world size.
+        """
+        model_sd, optim_sd = get_state_dict(self.model, self._local_optimizer())
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            optim_sd = {f"zero1_rank{self.optimizer.rank}": optim_sd}
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (after ``dcp.load`` filled it in place)."""
+        optim_sd = state_dict["optimizer"]
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            optim_sd = optim_sd[f"zero1_rank{self.optimizer.rank}"]
+        set_state_dict(
+            self.model,
+            self._local_optimizer(),
+            model_state_dict=state_dict["model"],
+            optim_state_dict=optim_sd,
+        )
+
+
+def _apply_recompute(model: nn.Module, recompute: str) -> None:
+    """Wrap blocks (full) or their attention (selective) in non-reentrant activation checkpointing."""
+    if recompute == "none":
+        return
+    blocks = getattr(model, "h", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise PlanError(f"recompute={recompute} needs a model with transformer blocks in .h; got {type(model).__name__}")
+    for i, block in enumerate(blocks):
+        if recompute == "full":
+            blocks[i] = checkpoint_wrapper(block)
+        else:
+            block.attn = checkpoint_wrapper(block.attn)
+
+
+def _zero_optimizer(
+    model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], group: dist.ProcessGroup
+) -> ZeroRedundancyOptimizer:
+    """ZeRO-1 with the optimizer class, parameter groups and options that `make_optimizer` chose."""
+    template = make_optimizer(model)
+    accepted = inspect.signature(type(template).__init__).parameters
+    defaults = {k: v for k, v in template.defaults.items() if k in accepted}
+    groups = [dict(g) for g in template.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(template), process_group=group, **defaults)
+
+
+def parallelize(
+    model: nn.Module,
+    spec: ParallelSpec,
+    mesh: DeviceMesh,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    device: torch.device,
+) -> Parallelized:
+    """Wrap `model` (already initialised identically on every rank) for `spec` on `mesh`.
+
+    Order follows torchtitan: tensor parallelism, then activation checkpointing, then data
+    parallelism, then the optimizer over the resulting (possibly sharded) parameters.
+    """
+    if mesh.mesh_dim_names != MESH_DIMS:
+        raise ValueError(f"mesh must come from build_mesh with axes {MESH_DIMS}; got {mesh.mesh_dim_names}")
+    notes: list[str] = []
+    tp = mesh["tp"].size()
+    model.to(device)
+    if tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    _apply_recompute(model, spec.recompute)
+
+    strategy = spec.strategy
+    if tp > 1 and strategy == "zero1":
+        # ZeroRedundancyOptimizer partitions whole tensors and cannot hold DTensor shards.
+        notes.append("zero1 with tp>1 ran as zero2 (FSDP2): ZeroRedundancyOptimizer cannot shard DTensor parameters")
+        strategy = "zero2"
+
+    if strategy in ("ddp", "zero1") and tp == 1:
+        group = _dp_mesh(mesh).get_group()
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=group,
+            bucket_cap_mb=spec.bucket_mb,
+            gradient_as_bucket_view=True,
+            static_graph=spec.static_graph,
+        )
+        notes += register_ddp_compression(ddp, spec.compression, group)
+        if strategy == "zero1":
+            optimizer = _zero_optimizer(ddp, make_optimizer, group)
+        else:
+            optimizer = make_optimizer(ddp)
+        return Parallelized(ddp, optimizer, notes)
+
+    if strategy == "ddp":
+        # DDP cannot reduce DTensor gradients; FSDP2 with a shard axis of size 1 is plain replication.
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        reshard: bool = False
+    elif strategy == "hsdp":
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        reshard = True
+    else:
+        dp_mesh = _dp_mesh(mesh)
+        reshard = strategy == "zero3"
+    policy, policy_notes = fsdp_reduce_policy(spec.compression, _dp_mesh(mesh).get_group())
+    notes += policy_notes
+    for block in getattr(model, "h", ()):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # The root holds the embeddings and the tied lm_head, so the shared weight has one owner.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return Parallelized(model, make_optimizer(model), notes)

@@ -1,0 +1,115 @@
+"""Probe the machine this process runs on: the per-node chain every Ray node runs.
+
+In order: a declared topology (``ORCHESTRATOR_TOPOLOGY_FILE`` in the environment, which is how
+simulated nodes and containers without NVML describe their wiring), then NVML, then the text
+of ``nvidia-smi topo -m``, then plain CPU slots. GPU probes are completed from sysfs: the NICs
+with their PCIe distance to each GPU, and the NUMA nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .files import load_topology_file
+from .model import NodeTopology, cpu_node
+from .nvml import NvmlUnavailable, normalize_bus_id, probe_nvml
+from .smi import parse_topo_matrix
+from .sysfs import numa_nodes, pci_numa_node, pcie_path_kind, read_nics
+
+TOPOLOGY_FILE_ENV = "ORCHESTRATOR_TOPOLOGY_FILE"
+_SMI_TIMEOUT_S = 30
+
+
+def probe_local(
+    num_cpu_slots: int = 0,
+    *,
+    sysfs_root: str | Path = "/",
+    pynvml_module: Any = None,
+) -> NodeTopology:
+    """This node's topology. `num_cpu_slots` (default: the CPU count) sizes a GPU-less node."""
+    declared = os.environ.get(TOPOLOGY_FILE_ENV)
+    if declared:
+        node = load_topology_file(declared)
+        node.source = f"declared:{declared}"
+        node.hostname = node.hostname or socket.gethostname()
+        return node
+
+    reasons: list[str] = []
+    node: NodeTopology | None
+    try:
+        node = probe_nvml(pynvml_module)
+    except NvmlUnavailable as e:
+        reasons.append(str(e))
+        node = _probe_smi(reasons)
+    if node is not None:
+        node.hostname = node.hostname or socket.gethostname()
+        add_sysfs(node, sysfs_root)
+        return node
+    slots = num_cpu_slots or os.cpu_count() or 1
+    node = cpu_node(slots, hostname=socket.gethostname())
+    node.numa_nodes = numa_nodes(sysfs_root)
+    return node
+
+
+def _run(cmd: list[str], reasons: list[str]) -> str | None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_SMI_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        reasons.append(f"{cmd[0]} is not installed")
+        return None
+    except subprocess.TimeoutExpired:
+        reasons.append(f"`{' '.join(cmd)}` did not answer within {_SMI_TIMEOUT_S} s")
+        return None
+    if done.returncode != 0:
+        reasons.append(f"`{' '.join(cmd)}` failed: {(done.stderr or done.stdout).strip()[:200]}")
+        return None
+    return done.stdout
+
+
+def _probe_smi(reasons: list[str]) -> NodeTopology | None:
+    """The `nvidia-smi topo -m` matrix, for machines where the NVML binding cannot load."""
+    text = _run(["nvidia-smi", "topo", "-m"], reasons)
+    if text is None:
+        return None
+    # The matrix does not name the GPU model, which sets the NVLink rate; ask for it.
+    names_text = _run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"], reasons) or ""
+    names = {}
+    for line in names_text.splitlines():
+        idx, _, name = line.partition(",")
+        if idx.strip().isdigit() and name.strip():
+            names[int(idx)] = name.strip()
+    node = parse_topo_matrix(text, source="nvidia-smi", gpu_names=names or None)
+    node.warnings = reasons + node.warnings
+    return node
+
+
+def add_sysfs(node: NodeTopology, root: str | Path = "/") -> None:
+    """Complete a GPU probe from sysfs: NUMA nodes, device NUMA affinity, NICs and their paths.
+
+    NICs the probe already named (the `NIC Legend` of `topo -m`) keep their GPU paths and gain
+    speed, kind and PCI address; NICs only sysfs knows get their paths from the PCI tree.
+    """
+    node.numa_nodes = numa_nodes(root) or node.numa_nodes
+    for dev in node.devices:
+        if dev.numa_node is None and dev.pci_bus_id:
+            dev.numa_node = pci_numa_node(normalize_bus_id(dev.pci_bus_id), root)
+    found = {n.name: n for n in read_nics(root)}
+    for nic in node.nics:
+        seen = found.pop(nic.name, None)
+        if seen is not None:
+            nic.speed_gbps = nic.speed_gbps or seen.speed_gbps
+            nic.kind = seen.kind if nic.kind == "unknown" else nic.kind
+            nic.numa_node = nic.numa_node if nic.numa_node is not None else seen.numa_node
+            nic.pci_bus_id = nic.pci_bus_id or seen.pci_bus_id
+    for nic in found.values():
+        if nic.pci_bus_id:
+            for dev in node.devices:
+                if dev.pci_bus_id:
+                    kind = pcie_path_kind(nic.pci_bus_id, normalize_bus_id(dev.pci_bus_id), root)
+                    if kind is not None:
+                        nic.gpu_paths[dev.index] = kind
+        node.nics.append(nic)

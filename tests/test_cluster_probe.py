@@ -1,0 +1,120 @@
+"""A 2-node Ray cluster whose raylets declare different topologies is probed node by node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import TopologyError
+from orchestrator.topology.cluster_probe import network_from_nodes, probe_cluster
+from orchestrator.topology.local import TOPOLOGY_FILE_ENV, probe_local
+from orchestrator.topology.model import Nic, NodeTopology
+
+FIXTURES = Path(__file__).parent / "fixtures" / "topology"
+PCIE4 = FIXTURES / "topo_4gpu_pcie_pxb_pix_nccl667.txt"
+A6000 = FIXTURES / "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt"
+
+
+@pytest.fixture()
+def two_nodes(monkeypatch: pytest.MonkeyPatch):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # Raylets inherit this process's environment: only env_vars may declare a topology.
+    monkeypatch.delenv(TOPOLOGY_FILE_ENV, raising=False)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(num_cpus=1, num_gpus=4, include_dashboard=False,
+                            env_vars={TOPOLOGY_FILE_ENV: str(PCIE4)}),
+    )
+    worker = cluster.add_node(num_cpus=1, num_gpus=8, env_vars={TOPOLOGY_FILE_ENV: str(A6000)})
+    try:
+        # An explicit address: a stale /tmp/ray/ray_current_cluster must not be joined instead.
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        yield cluster.head_node.node_id, worker.node_id
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.ray
+def test_probe_cluster_reports_each_declared_node(two_nodes) -> None:
+    head_id, worker_id = two_nodes
+    topo = probe_cluster()
+    assert sorted(n.node_id for n in topo.nodes) == sorted([head_id, worker_id])
+
+    head = topo.node(head_id)
+    assert head.source == f"declared:{PCIE4}"
+    assert head.num_devices == 4 and len(head.links) == 6
+    assert [head.link(0, 1).kind, head.link(2, 3).kind, head.link(1, 2).kind] == ["pxb", "pix", "sys"]
+
+    worker = topo.node(worker_id)
+    assert worker.source == f"declared:{A6000}"
+    assert worker.num_devices == 8 and len(worker.links) == 28
+    assert (worker.link(6, 7).kind, worker.link(6, 7).nvlinks) == ("nvlink", 4)
+    assert worker.link(0, 4).kind == "sys"
+    assert [n.name for n in worker.nics] == ["mlx5_0", "mlx5_1"]
+    # Declared captures give no NIC speed: the network figure stays the default.
+    assert topo.network.source == "default"
+
+
+def test_declared_file_wins_and_bad_file_is_a_topology_error(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(TOPOLOGY_FILE_ENV, str(A6000))
+    node = probe_local()
+    assert node.source == f"declared:{A6000}" and node.hostname
+    bad = tmp_path / "bad.txt"
+    bad.write_text("")
+    monkeypatch.setenv(TOPOLOGY_FILE_ENV, str(bad))
+    with pytest.raises(TopologyError, match="bad.txt"):
+        probe_local()
+
+
+def test_no_gpu_gives_cpu_slots(monkeypatch, tmp_path: Path) -> None:
+    import fake_pynvml as fake
+
+    monkeypatch.delenv(TOPOLOGY_FILE_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi either
+    nv = fake.pcie_pxb_pix()
+    nv.failing["nvmlInit"] = fake.NVMLError_DriverNotLoaded
+    node = probe_local(3, sysfs_root=tmp_path, pynvml_module=nv)
+    assert node.source == "cpu" and node.num_devices == 3
+    assert {l.kind for l in node.links} == {"shm"}
+
+
+def test_nvml_probe_gains_sysfs_nics(monkeypatch, tmp_path: Path) -> None:
+    import fake_pynvml as fake
+
+    monkeypatch.delenv(TOPOLOGY_FILE_ENV, raising=False)
+    nv = fake.a100_nvswitch()
+    dev = tmp_path / "sys/devices/pci0000:0f/0000:0f:00.0/0000:10:00.0/0000:11:01.0/0000:1b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("0\n")
+    gpu = tmp_path / "sys/devices/pci0000:0f/0000:0f:00.0/0000:10:00.0/0000:11:00.0/0000:18:00.0"
+    gpu.mkdir(parents=True)
+    (tmp_path / "sys/bus/pci/devices").mkdir(parents=True)
+    (tmp_path / "sys/bus/pci/devices/0000:1b:00.0").symlink_to(dev)
+    (tmp_path / "sys/bus/pci/devices/0000:18:00.0").symlink_to(gpu)
+    ib = tmp_path / "sys/class/infiniband/mlx5_0"
+    (ib / "ports/1").mkdir(parents=True)
+    (ib / "device").symlink_to(dev)
+    (ib / "ports/1/state").write_text("4: ACTIVE\n")
+    (ib / "ports/1/rate").write_text("200 Gb/sec (4X HDR)\n")
+    (ib / "ports/1/link_layer").write_text("InfiniBand\n")
+    node = probe_local(sysfs_root=tmp_path, pynvml_module=nv)
+    assert node.source == "nvml"
+    [nic] = node.nics
+    assert (nic.name, nic.speed_gbps, nic.kind) == ("mlx5_0", 200.0, "infiniband")
+    assert nic.gpu_paths == {0: "pix"}  # GPU0 sits at 18:00.0 under the same switch
+
+
+def test_network_from_gpu_side_nics_only() -> None:
+    def node(*nics: Nic) -> NodeTopology:
+        return NodeTopology(nics=list(nics))
+
+    gpu_nic = lambda name: Nic(name=name, speed_gbps=400.0, kind="infiniband", gpu_paths={0: "pix", 1: "sys"})  # noqa: E731
+    storage = Nic(name="eth0", speed_gbps=100.0, kind="ethernet", gpu_paths={0: "sys", 1: "sys"})
+    net = network_from_nodes([node(gpu_nic("a"), gpu_nic("b"), storage), node(gpu_nic("c"), storage)])
+    # 400 Gbit/s = 50 GB/s; the slower node (one GPU NIC) sets the figure; storage ports do not count.
+    assert (net.bandwidth_gbps, net.source) == (50.0, "nics")
+    assert network_from_nodes([node(Nic(name="x"))]).source == "default"

@@ -1,0 +1,201 @@
+"""The runtime on a real (embedded) Ray cluster: a run learns and records itself, DDP over 2
+workers equals 1 worker, failures are survived exactly, checkpoints are never lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from orchestrator.cluster import connect
+from orchestrator.config import load_config
+from orchestrator.errors import CheckpointError
+from orchestrator.rundir import RunDir
+from orchestrator.runtime import checkpoint
+from orchestrator.runtime.driver import run_job
+from orchestrator.workloads.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "train.global_batch_size=8", "train.warmup_steps=2", "train.eval_iters=2",
+    "monitor.progress=false", "monitor.dashboard=false",
+]
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with connect(None, num_cpus=4):
+        yield
+
+
+def _run(tmp_path: Path, *overrides: str, resume: str | None = None):
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, f"monitor.runs_dir={tmp_path}", *overrides])
+    run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    summary = run_job(cfg, run, Console(file=open(os.devnull, "w")), resume_from=resume)
+    return run.path, summary, cfg
+
+
+def _final_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
+    m = cfg.model
+    model = GPT(GPTConfig(m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.dropout, m.bias))
+    checkpoint.load_model_weights(checkpoint.committed(str(run_dir / "checkpoints"))[-1], model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_two_worker_run_learns_and_records_everything(cluster, tmp_path):
+    run_dir, summary, _ = _run(tmp_path, "train.max_steps=30", "train.eval_interval=10", "train.lr=3e-3")
+    for name in ("config.yaml", "topology.json", "plan.json", "placement.json", "metrics.jsonl",
+                 "summary.json", "loss.svg"):
+        assert (run_dir / name).is_file(), name
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert [p["rank"] for p in placement] == [0, 1]
+    assert len({p["pid"] for p in placement}) == 2  # one process per rank
+    assert {p["cpu_slot"] for p in placement} == {0, 1}
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and [r["rank"] for r in plan["ranks"]] == [0, 1]
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 for r in rows)
+    assert [r["step"] for r in rows if r["val_loss"] is not None] == [10, 20, 30]
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["steps"] == 30 and on_disk["wall_s"] > 0 and on_disk["tokens_per_s"] > 0
+    assert on_disk["final_val_loss"] < 0.8 * on_disk["first_val_loss"]
+    assert summary["restarts"] == []
+    assert [Path(c).name for c in checkpoint.committed(str(run_dir / "checkpoints"))] == ["step_00000030"]
+
+
+def test_ddp_two_workers_equal_one_worker(cluster, tmp_path):
+    common = ("train.max_steps=4", "train.eval_interval=4", "parallel.strategy=ddp", "train.micro_batch_size=2")
+    one_dir, one, cfg = _run(tmp_path, *common, "cluster.num_workers=1")
+    two_dir, two, _ = _run(tmp_path, *common, "cluster.num_workers=2")
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert json.loads((two_dir / "plan.json").read_text())["sync"]["grad_accum_steps"] == 2
+    w1, w2 = _final_weights(one_dir, cfg), _final_weights(two_dir, cfg)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
+    assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], abs=1e-5)
+
+
+def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threading.Event) -> None:
+    """Wait for the run's metrics to reach `at_step`, then kill -9 the rank's process."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not done.is_set():
+        runs = sorted(run_dir_parent.glob("llm-*"))
+        if runs:
+            metrics, placement = runs[-1] / "metrics.jsonl", runs[-1] / "placement.json"
+            if metrics.exists() and placement.exists():
+                steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if l.strip()]
+                if steps and max(steps) >= at_step:
+                    pid = json.loads(placement.read_text())[rank]["pid"]
+                    os.kill(pid, signal.SIGKILL)
+                    return
+        time.sleep(0.05)
+
+
+def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(cluster, tmp_path):
+    common = ("train.max_steps=12", "train.eval_interval=6", "checkpoint.interval=4", "parallel.strategy=ddp")
+    ref_dir, ref, cfg = _run(tmp_path / "ref", *common)
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(tmp_path / "killed", 1, 6, done), daemon=True)
+    killer.start()
+    try:
+        run_dir, summary, _ = _run(tmp_path / "killed", *common, "train.max_failures=1")
+    finally:
+        done.set()
+    assert len(summary["restarts"]) == 1
+    restart = summary["restarts"][0]
+    assert restart["ranks"] == [1] and restart["resumed_from_step"] == 4
+    assert restart["steps_lost"] == restart["failed_at_step"] - 4 >= 2
+    assert summary["steps"] == 12
+    assert summary["final_val_loss"] == pytest.approx(ref["final_val_loss"], abs=1e-6)
+    w_ref, w = _final_weights(ref_dir, cfg), _final_weights(run_dir, cfg)
+    for k in w_ref:
+        torch.testing.assert_close(w[k], w_ref[k], rtol=0, atol=1e-6, msg=k)
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # one line per step, even across the restart
+
+
+def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, tmp_path):
+    first_dir, _, cfg = _run(tmp_path, "train.max_steps=6", "train.eval_interval=3", "checkpoint.interval=3",
+                             "cluster.num_workers=2")
+    before = sorted(p.name for p in (first_dir / "checkpoints").iterdir())
+    ckpt = checkpoint.committed(str(first_dir / "checkpoints"))[-1]
+    run_dir, summary, _ = _run(tmp_path, "train.max_steps=9", "train.eval_interval=3", "cluster.num_workers=1",
+                               resume=ckpt)
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 7 and rows[-1]["step"] == 9
+    assert summary["resumed_from"] == ckpt and summary["world_size"] == 1
+    # the earlier run's directory is only read
+    assert sorted(p.name for p in (first_dir / "checkpoints").iterdir()) == before
+
+
+def test_corrupted_latest_checkpoint_is_refused_by_name_and_the_previous_used(cluster, tmp_path):
+    run_dir, _, _ = _run(tmp_path, "train.max_steps=4", "train.eval_interval=2", "checkpoint.interval=2")
+    ckpts = checkpoint.committed(str(run_dir / "checkpoints"))
+    assert [Path(c).name for c in ckpts] == ["step_00000002", "step_00000004"]
+    shard = sorted(Path(ckpts[-1]).glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard.name} is corrupted"):
+        checkpoint.verify(ckpts[-1])
+    from orchestrator.commands.submit import resume_checkpoint
+
+    assert resume_checkpoint(str(run_dir)) == ckpts[0]
+
+
+_WRITER = r"""
+import os, signal, sys, torch, torch.distributed as dist
+from orchestrator.runtime import checkpoint
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
+root, kill = sys.argv[1], sys.argv[2] == "kill"
+checkpoint.save(root, 1, {"w": torch.ones(1000)}, {}, keep_last=5)
+if kill:
+    # die after the shards are written, before the commit
+    checkpoint._manifest = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.save(root, 2, {"w": torch.full((1000,), 2.0)}, {}, keep_last=5)
+"""
+
+
+def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", _WRITER % port, str(tmp_path), "kill"], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert [Path(c).name for c in checkpoint.committed(str(tmp_path))] == ["step_00000001"]
+    assert (tmp_path / ".step_00000002.partial").is_dir()  # the torn write is there, and ignored
+    meta = checkpoint.verify(str(tmp_path / "step_00000001"))
+    assert meta["step"] == 1
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.zeros(1000)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "step_00000001"), no_dist=True)
+    assert torch.equal(state["w"], torch.ones(1000))
+
+
+def test_submit_cli_end_to_end(tmp_path):
+    """The README's command, shortened: trains, prints the run directory, exits 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", *TINY, "train.max_steps=6",
+         "train.eval_interval=3", f"monitor.runs_dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run directory:" in proc.stdout
+    (run_dir,) = tmp_path.glob("llm-*")
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
