@@ -19,6 +19,10 @@ COMMANDS = {
     "submit": ("submit", "train a job: probe, plan, place and run it"),
     "plan": ("plan", "show the plan for a job on this cluster or a described one"),
     "probe": ("probe", "show the interconnect topology of this cluster or of a capture file"),
+    "status": ("status", "list the jobs of a Ray cluster, or show one"),
+    "logs": ("logs", "print (or follow) the output of a job on a Ray cluster"),
+    "stop": ("stop", "stop a job on a Ray cluster and wait until it has ended"),
+    "node-labels": ("node_labels", "print this machine's Ray node labels for `ray start --labels`"),
 }
 
 
@@ -40,7 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # argparse stops collecting `key=value` overrides at the first option, so
+    # `plan JOB --topology F key=value` leaves the override over; take such leftovers back.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     try:
         module = importlib.import_module(f"orchestrator.commands.{args._module}")
         return int(module.run(args) or 0)

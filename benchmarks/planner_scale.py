@@ -1,0 +1,65 @@
+"""How long the full `auto` plan search takes as a cluster of 8 x H100 nodes grows.
+
+    python benchmarks/planner_scale.py [--quick]
+
+Prints a table and writes benchmarks/results/planner_scale.json. The planner must stay under
+one second at 1,024 nodes: identical nodes are laid out once, and beyond a node the search
+enumerates divisors of the world, never permutations of ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from orchestrator.config import load_config
+from orchestrator.planning import plan_job
+from orchestrator.planning.describe import describe_cluster
+from orchestrator.topology.files import load_topology_file
+from orchestrator.topology.model import ClusterTopology, Network
+
+ROOT = Path(__file__).resolve().parent.parent
+CAPTURE = ROOT / "conf" / "topologies" / "h100-8gpu-nvswitch.txt"
+# A Llama-3-70B-sized decoder; 2M tokens per step.
+MODEL = ["model.n_layer=80", "model.n_head=64", "model.n_embd=8192", "model.vocab_size=128256",
+         "model.block_size=4096", "train.global_batch_size=16384"]
+
+
+def cluster(nodes: int) -> ClusterTopology:
+    node = load_topology_file(CAPTURE, "H100")
+    return describe_cluster(node, nodes, Network(bandwidth_gbps=400.0, latency_us=3.0, source="config"), "H100")
+
+
+def measure(nodes: int, repeats: int) -> dict:
+    cfg = load_config(None, MODEL)
+    topo = cluster(nodes)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_job(cfg, topo)
+        best = min(best, time.perf_counter() - t0)
+    return {"nodes": nodes, "gpus": plan.world_size, "seconds": round(best, 4), "strategy": plan.strategy,
+            "mesh": plan.mesh, "fits": plan.fits, "step_time_s": round(plan.step_time["total_s"], 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sizes, one repeat")
+    args = ap.parse_args(argv)
+    sizes = [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024]
+    rows = [measure(n, 1 if args.quick else 3) for n in sizes]
+    print(f"{'nodes':>6} {'gpus':>6} {'plan s':>8}  {'strategy':<8} {'mesh (rep x shard x tp)':<24} {'step s':>8}  fits")
+    for r in rows:
+        mesh = "x".join(str(v) for v in r["mesh"].values())
+        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['seconds']:>8.3f}  {r['strategy']:<8} {mesh:<24} {r['step_time_s']:>8.3f}  {r['fits']}")
+    out = ROOT / "benchmarks" / "results" / "planner_scale.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"capture": CAPTURE.name, "model": MODEL, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+    return 0 if rows[-1]["seconds"] < 1.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""`plan`: show the plan for a job on this cluster, or on a described one.
+
+`--topology FILE` (any probe format, one node) with `--nodes N` and `--gpu MODEL` describes a
+cluster without probing; so does `cluster.topology_file` (and `cluster.nodes`) in the job, e.g.
+through a ready shape in `conf/cluster/`. The network between nodes comes from
+`cluster.inter_node_gbps` / `cluster.inter_node_latency_us`, else from the capture's NICs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import JobConfig, conf_dir, load_config
+from ..errors import ConfigError
+from ..topology.model import ClusterTopology, Network
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", help="job YAML file (omit for the defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. parallel.tp=2")
+    parser.add_argument("--topology", metavar="FILE", help="plan for this node capture instead of probing")
+    parser.add_argument("--nodes", type=int, metavar="N", help="the described cluster has N such nodes")
+    parser.add_argument("--gpu", metavar="MODEL", help="GPU model of the described nodes, e.g. H100")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--svg", metavar="OUT", help="write a drawing of the rank layout on the topology to OUT")
+
+
+def _resolve(path: str, job: str | None) -> Path:
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    for base in ([Path(job).resolve().parent] if job else []) + [conf_dir()]:
+        if (base / p).exists():
+            return base / p
+    return p
+
+
+def described_topology(cfg: JobConfig, path: str, nodes: int, job: str | None) -> ClusterTopology:
+    """The cluster of `nodes` copies of the capture at `path`, with the job's network settings."""
+    from ..planning.describe import describe_cluster, network_from_nics
+    from ..topology.files import load_topology_file
+
+    node = load_topology_file(_resolve(path, job), cfg.cluster.gpu)
+    if cfg.cluster.inter_node_gbps is not None:
+        network = Network(cfg.cluster.inter_node_gbps, cfg.cluster.inter_node_latency_us, "config")
+    else:
+        network = network_from_nics(node, cfg.cluster.inter_node_latency_us)
+    return describe_cluster(node, nodes, network, cfg.cluster.gpu)
+
+
+def live_topology(cfg: JobConfig) -> ClusterTopology:
+    from ..cluster import connect
+    from ..topology.cluster_probe import probe_cluster
+
+    with connect(cfg.cluster.address):
+        return probe_cluster(num_cpu_slots=cfg.cluster.num_workers)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planning import plan_job
+    from ..planning.render import render_svg, render_text
+
+    overrides = list(args.overrides)
+    if args.job and "=" in args.job and not Path(args.job).exists():
+        overrides.insert(0, args.job)  # `plan key=value` with no job file
+        args.job = None
+    cfg = load_config(args.job, overrides)
+    if args.gpu:
+        cfg.cluster.gpu = args.gpu
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError(f"--nodes: expected a positive number of nodes, got {args.nodes}")
+    path = args.topology or cfg.cluster.topology_file
+    if path:
+        topo = described_topology(cfg, path, args.nodes or cfg.cluster.nodes, args.job)
+    elif args.nodes or args.gpu:
+        raise ConfigError("--nodes and --gpu describe a cluster: give its node with --topology FILE "
+                          "(or cluster.topology_file)")
+    else:
+        topo = live_topology(cfg)
+    plan = plan_job(cfg, topo)
+    if args.svg:
+        Path(args.svg).write_text(render_svg(plan, topo))
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render_text(plan, topo))
+    return 0

@@ -1,0 +1,187 @@
+"""Predicted step time and memory of one candidate plan on one laid-out cluster."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .comm import GroupLinks, all_reduce, group_all_gather, group_all_reduce, group_reduce_scatter
+from .compute import DeviceSpeed, efficiency, matmul_seconds, optimizer_seconds
+from .layout import AXES, ClusterLayout
+from .memory import ByteLayout, MemoryBreakdown, block_params, model_states, params_per_tp_rank, rank_memory
+from .model_math import ModelShape, flops_per_step
+from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
+
+GB = 1e9
+# gloo's cost per ring step between processes (a TCP or shared-memory round of its own
+# threads), far above the link's own latency; NCCL's is in the link figures.
+GLOO_STEP_US = 25.0
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What stays the same across the candidates of one job."""
+
+    shape: ModelShape
+    """The model's figures."""
+    params: int
+    """Distinct parameters."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    layout: ByteLayout
+    """Bytes per parameter and activation the runtime keeps."""
+    speed: DeviceSpeed
+    """Each rank's device (the slowest, on a mixed cluster)."""
+    on_gpu: bool
+    """False for CPU slots (gloo, fp32, no overlap)."""
+    usable_bytes: int
+    """Memory a rank may plan to use."""
+    net_gbps: float
+    """Bandwidth out of one node, GB/s per direction."""
+    net_lat_us: float
+    """One-way latency between nodes."""
+    gpus_per_node: int
+    """Ranks on each node."""
+    powersgd_ratio: float
+    """Bytes PowerSGD sends per gradient byte."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One point of the search space."""
+
+    strategy: str
+    mesh: tuple[int, int, int]
+    """(dp_replicate, dp_shard, tp)."""
+    micro_batch: int
+    recompute: str
+    compression: str = "none"
+    algorithm: str = "auto"
+    """Requested all-reduce schedule: auto, flat or hierarchical."""
+    bucket_mb: float | None = None
+    """Forced DDP bucket size; None sizes it."""
+
+
+@dataclass
+class Estimate:
+    """A candidate's predicted cost."""
+
+    choice: Choice
+    memory: MemoryBreakdown
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    sync: SyncPlan
+    comm_parts: dict[str, float] = field(default_factory=dict)
+    """Seconds of communication per step by what it is for (tp, gradients, gathers)."""
+    schedule: str = ""
+    """The collective schedule the gradient reduction uses, in words."""
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+    def fits(self, usable: int) -> bool:
+        return self.memory.total <= usable
+
+
+def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
+    """The links a group of `axis` runs over: its in-node ring, and its share of the network
+    (every group of the axis on a node communicates at once, so they split the node's ports)."""
+    size = cl.mesh[AXES.index(axis)]
+    per_node = cl.per_node[axis]
+    ring = cl.rings[axis]
+    spans = size > per_node
+    inter = ctx.net_gbps * per_node / ctx.gpus_per_node if spans else math.inf
+    extra = 0.0 if ctx.on_gpu else GLOO_STEP_US
+    return GroupLinks(size=size, per_node=per_node, intra_gbps=ring.gbps,
+                      intra_lat_us=ring.lat_us + extra if per_node > 1 else 0.0,
+                      inter_gbps=inter, inter_lat_us=ctx.net_lat_us + extra if spans else 0.0)
+
+
+def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
+    """Memory and step time of choice `c` on layout `cl`."""
+    shape, lay = ctx.shape, ctx.layout
+    rep, shard, tp = c.mesh
+    world = rep * shard * tp
+    dp = rep * shard
+    accum = ctx.global_batch // (dp * c.micro_batch)
+    p_rank = params_per_tp_rank(shape, tp)
+    block = block_params(shape) / tp
+    shard_group = 1 if c.strategy == "ddp" else shard
+
+    # Compute: the job's hardware FLOPs split evenly over the ranks.
+    flops = flops_per_step(shape, ctx.global_batch, c.recompute) / world
+    eff = efficiency(c.micro_batch * shape.seq, shape.hidden / tp, ctx.on_gpu)
+    mm = matmul_seconds(flops, ctx.speed, eff)
+    fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / flops_per_step(shape, ctx.global_batch, c.recompute)
+    fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
+    w, g, k = model_states(c.strategy, p_rank, shard_group, lay)
+    compute_s = mm + optimizer_seconds(w + g + k, ctx.speed)
+
+    # Tensor parallelism: two all-reduces of a block's activations forward, two backward
+    # (reduce-scatter + all-gather pairs under sequence parallelism move the same bytes),
+    # two more when full recomputation runs the forward again. Nothing hides them.
+    parts: dict[str, float] = {}
+    if tp > 1:
+        tpl = group_links(ctx, cl, "tp")
+        per_ar, _ = all_reduce(c.micro_batch * shape.seq * shape.hidden * lay.activation, tp, tpl.flat_gbps, tpl.flat_lat_us)
+        n = 4 + (2 if c.recompute == "full" else 0)
+        parts["tp"] = accum * shape.layers * n * per_ar
+    tp_s = parts.get("tp", 0.0)
+
+    grad_wire = wire_bytes_per_grad(c.compression, lay.grads, ctx.powersgd_ratio)
+    grad_bytes = p_rank * grad_wire
+    overlap = ctx.on_gpu
+    exposed = tp_s
+    schedule = "none (one data-parallel rank)"
+    if c.strategy in ("ddp", "zero1"):
+        axis = "dp_replicate" if c.strategy == "ddp" else "dp_shard"
+        gl = group_links(ctx, cl, axis)
+        bucket_mb = c.bucket_mb or auto_bucket_mb(grad_bytes, gl.size, gl.flat_gbps, gl.flat_lat_us)
+        if c.strategy == "ddp":
+            red, schedule = group_all_reduce(grad_bytes, gl, c.algorithm)
+            tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, c.algorithm)
+            parts["grad all-reduce"] = red
+        else:
+            red = group_reduce_scatter(grad_bytes, gl)
+            tail = group_reduce_scatter(min(bucket_mb * MB, grad_bytes), gl)
+            gather = group_all_gather(p_rank * lay.weights, gl)
+            parts["grad reduce-scatter"], parts["param all-gather"] = red, gather
+            schedule = "flat ring reduce-scatter + all-gather" if gl.size > 1 else schedule
+            exposed += gather
+        exposed += (max(0.0, red - bwd) + tail) if overlap and gl.size > 1 else red
+    else:
+        gl = group_links(ctx, cl, "dp_shard")
+        bucket_mb = block * grad_wire / MB
+        rs = group_reduce_scatter(grad_bytes, gl)
+        rs_block = group_reduce_scatter(block * grad_wire, gl)
+        gather_w = p_rank * lay.compute
+        ag = group_all_gather(gather_w, gl)
+        ag_block = group_all_gather(block * lay.compute, gl)
+        if c.strategy == "zero2":
+            # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
+            parts["grad reduce-scatter"], parts["param all-gather"] = accum * rs, ag
+            exposed += accum * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap else accum * rs + ag
+        else:
+            # ZeRO-3 / FSDP: gather forward, gather again for backward, reduce-scatter, per micro-step.
+            parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, accum * rs
+            if overlap:
+                exposed += accum * (max(0.0, ag - fwd) + max(0.0, ag + rs - bwd) + ag_block + rs_block)
+            else:
+                exposed += accum * (2 * ag + rs)
+        schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
+        if c.strategy == "hsdp":
+            rl = group_links(ctx, cl, "dp_replicate")
+            ar, sched = group_all_reduce(grad_bytes / shard, rl, c.algorithm)
+            parts["replica all-reduce"] = ar
+            exposed += ar
+            schedule = f"{schedule}; replicas: {sched}"
+    comm_s = sum(parts.values())
+    algorithm = "hierarchical" if "hierarchical" in schedule else "flat"
+    sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=algorithm, compression=c.compression,
+                    grad_accum_steps=accum, overlap=overlap)
+    mem = rank_memory(c.strategy, shape, tp, shard_group, c.micro_batch, c.recompute, lay,
+                      bucket_mb * MB if c.strategy in ("ddp", "zero1") else 0.0, ctx.on_gpu)
+    return Estimate(choice=c, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=min(exposed, comm_s),
+                    sync=sync, comm_parts=parts, schedule=schedule)

@@ -1,0 +1,153 @@
+"""Per-rank memory: model states by strategy (ZeRO's accounting), activations, buffers.
+
+Model states follow Rajbhandari et al. 2020 (ZeRO) Sec. 5: with Psi parameters, weights of
+w bytes, gradients of g bytes and K bytes of optimizer state per parameter, a rank keeps
+DDP (w+g+K)Psi; ZeRO-1 (w+g)Psi + K Psi/N; ZeRO-2 w Psi + (g+K)Psi/N; ZeRO-3 (w+g+K)Psi/N,
+where N is the number of ranks a state is sharded over (HSDP: the shard group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .model_math import ModelShape, activation_bytes, block_params, tp_param_split
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+# Ranks hold the parameters of the block being computed and of the one being prefetched.
+FSDP_PREFETCH_BLOCKS = 2
+# NCCL communicators' staging buffers and cuBLAS workspaces: a few hundred MB on a GPU.
+GPU_WORKSPACE_BYTES = 512 * 2**20
+# The CUDA context and allocator fragmentation are not addressable by the model: keep them out.
+CUDA_CONTEXT_BYTES = 1 * 2**30
+MEMORY_MARGIN = 0.10
+"""Fraction of device memory kept free for fragmentation and what the model does not see."""
+
+
+@dataclass(frozen=True)
+class ByteLayout:
+    """Bytes per parameter of each model state, and per stored activation value."""
+
+    name: str
+    """What this layout is, for the explanation (`fp32 master + bf16 autocast`, ...)."""
+    weights: int
+    """Bytes of the weights each rank computes with (what ZeRO-3 shards as `params`)."""
+    grads: int
+    """Bytes of each gradient."""
+    optimizer: int
+    """Optimizer bytes: Adam's two moments plus any fp32 master copy (ZeRO's K)."""
+    activation: int
+    """Bytes of one stored activation value (2 under 16-bit autocast, 4 in fp32)."""
+    compute: int
+    """Bytes of a weight as all-gathered for compute by FSDP (its param_dtype)."""
+
+
+def byte_layout(precision: str, device_kind: str = "gpu") -> ByteLayout:
+    """The byte layout the runtime keeps for `train.precision` on this kind of device.
+
+    `auto`/`bf16` on GPU: fp32 weights and gradients with bf16 autocast, Adam moments in fp32
+    (4 + 4 + 8). `fp16`: the ZeRO paper's mixed precision, fp16 weights and gradients plus
+    fp32 master weights and moments (2 + 2 + 12). `fp32`, and any run on CPU: 4 + 4 + 8.
+    """
+    if device_kind == "cpu" or precision == "fp32":
+        return ByteLayout("fp32 weights, gradients and Adam moments", 4, 4, 8, 4, 4)
+    if precision == "fp16":
+        return ByteLayout("fp16 weights and gradients, fp32 master weights and Adam moments", 2, 2, 12, 2, 2)
+    if precision in ("auto", "bf16"):
+        return ByteLayout("fp32 master weights and gradients, Adam moments in fp32, bf16 autocast", 4, 4, 8, 2, 2)
+    raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes one rank needs at its peak."""
+
+    params: int
+    """Weights the rank keeps (its shard, or all of them)."""
+    grads: int
+    """Gradients the rank keeps."""
+    optimizer: int
+    """Optimizer state (Adam moments, master weights) the rank keeps."""
+    activations: int
+    """Activations of one micro-batch kept for backward (Korthikanti et al.)."""
+    buffers: int
+    """Communication buckets, FSDP's unsharded blocks, NCCL and cuBLAS workspaces."""
+    total: int
+    """The sum of the above."""
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def params_per_tp_rank(shape: ModelShape, tp: int) -> float:
+    """Parameters one tensor-parallel rank holds before data-parallel sharding."""
+    sharded, replicated = tp_param_split(shape)
+    return sharded / tp + replicated
+
+
+def model_states(strategy: str, params: float, shard: int, layout: ByteLayout) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per rank for `params` parameters sharded over `shard` ranks."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if shard < 1:
+        raise ValueError(f"shard group size must be >= 1, got {shard}")
+    w, g, k = params * layout.weights, params * layout.grads, params * layout.optimizer
+    if strategy == "ddp":
+        return w, g, k
+    if strategy == "zero1":
+        return w, g, k / shard
+    if strategy == "zero2":
+        return w, g / shard, k / shard
+    return w / shard, g / shard, k / shard  # zero3, and hsdp inside its shard group
+
+
+def buffer_bytes(
+    strategy: str, shape: ModelShape, tp: int, layout: ByteLayout, bucket_bytes: float, micro_batch: int, on_gpu: bool
+) -> float:
+    """Transient buffers: two gradient buckets in flight for DDP-style reduction, FSDP's
+    unsharded current and prefetched block plus one block's unsharded gradients, the
+    tensor-parallel gather of one block input, and the GPU libraries' workspaces."""
+    block = block_params(shape) / tp
+    if strategy in ("ddp", "zero1"):
+        comm = 2 * bucket_bytes
+    elif strategy == "zero2":
+        comm = block * layout.grads
+    else:
+        comm = FSDP_PREFETCH_BLOCKS * block * layout.compute + block * layout.grads
+    if tp > 1:
+        comm += micro_batch * shape.seq * shape.hidden * layout.activation
+    return comm + (GPU_WORKSPACE_BYTES if on_gpu else 0)
+
+
+def rank_memory(
+    strategy: str,
+    shape: ModelShape,
+    tp: int,
+    shard: int,
+    micro_batch: int,
+    recompute: str,
+    layout: ByteLayout,
+    bucket_bytes: float,
+    on_gpu: bool = True,
+) -> MemoryBreakdown:
+    """Peak bytes of one rank: model states, one micro-batch's activations, buffers.
+
+    With tensor parallelism the activations are Korthikanti's without sequence parallelism:
+    the runtime's tensor-parallel plan shards the matmuls only, so LayerNorm and dropout
+    activations stay whole on every rank.
+    The fp32 logits and their gradient, which cross-entropy materialises, are added to the
+    activation estimate: they dominate at large vocabularies.
+    """
+    p = params_per_tp_rank(shape, tp)
+    w, g, k = model_states(strategy, p, shard, layout)
+    act = activation_bytes(shape, micro_batch, tp, sequence_parallel=False, recompute=recompute,
+                           bytes_per_value=layout.activation)
+    act += 8 * micro_batch * shape.seq * shape.vocab / tp
+    buf = buffer_bytes(strategy, shape, tp, layout, bucket_bytes, micro_batch, on_gpu)
+    parts = [int(round(x)) for x in (w, g, k, act, buf)]
+    return MemoryBreakdown(*parts, total=sum(parts))
+
+
+def usable_bytes(capacity: int, on_gpu: bool) -> int:
+    """What a rank may plan to use out of `capacity`: less the margin and the CUDA context."""
+    reserve = CUDA_CONTEXT_BYTES if on_gpu else 0
+    return int(capacity * (1 - MEMORY_MARGIN)) - reserve

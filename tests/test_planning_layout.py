@@ -1,0 +1,109 @@
+"""Rank layout on real captures: the most talkative axis on the fastest links."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import load_config
+from orchestrator.planning import plan_job
+from orchestrator.planning.describe import describe_cluster
+from orchestrator.planning.layout import NodeWiring, in_node_shape, mesh_groups, node_layout
+from orchestrator.topology.files import load_topology_file
+from orchestrator.topology.model import ClusterTopology, Link, Network, NodeTopology
+
+FIX = Path(__file__).parent / "fixtures" / "topology"
+MODEL = ["model.n_layer=4", "model.n_head=8", "model.n_embd=512", "train.global_batch_size=32"]
+
+
+def _tp_pairs(plan) -> list[set[int]]:
+    gpu = {r["rank"]: r["gpu"] for r in plan.ranks}
+    return [{gpu[r] for r in g} for g in plan.groups["tp"]]
+
+
+def _plan(node: NodeTopology, *overrides: str, gpu: str | None = None, nodes: int = 1):
+    cfg = load_config(None, [*MODEL, *overrides])
+    cfg.cluster.gpu = gpu
+    return plan_job(cfg, describe_cluster(node, nodes, Network(), gpu))
+
+
+def _relabel(node: NodeTopology, perm: dict[int, int]) -> NodeTopology:
+    """The same machine with its GPUs numbered differently."""
+    out = NodeTopology.from_dict(node.to_dict())
+    for d in out.devices:
+        d.index = perm[d.index]
+    out.links = [Link(**{**l.__dict__, "a": perm[l.a], "b": perm[l.b]}) for l in out.links]
+    return out
+
+
+def test_a6000_tp_pairs_sit_on_nvlink_bridges():
+    node = load_topology_file(FIX / "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", "RTX A6000")
+    for n in (node, _relabel(node, {0: 0, 1: 4, 2: 1, 3: 5, 4: 2, 5: 6, 6: 3, 7: 7})):
+        plan = _plan(n, "parallel.tp=2", gpu="RTX A6000")
+        for pair in _tp_pairs(plan):
+            a, b = sorted(pair)
+            assert n.link(a, b).kind == "nvlink" and n.link(a, b).nvlinks == 4
+        assert sorted(r["gpu"] for r in plan.ranks) == list(range(8))
+
+
+def test_pcie_switch_pairs_form_the_tp_pairs():
+    node = load_topology_file(FIX / "topo_4gpu_pcie_pxb_pix_nccl667.txt", "A10")
+    plan = _plan(node, "parallel.tp=2", gpu="A10")
+    assert sorted(map(sorted, _tp_pairs(plan))) == [[0, 1], [2, 3]]
+    # Numbered the other way round, the pairs follow the wiring, not the numbers.
+    swapped = _relabel(node, {0: 0, 1: 2, 2: 1, 3: 3})
+    plan = _plan(swapped, "parallel.tp=2", gpu="A10")
+    assert sorted(map(sorted, _tp_pairs(plan))) == [[0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("capture,gpu", [("topo_h100_8gpu_mlengineering.txt", "H100"),
+                                         ("topo_a100_8gpu_mlengineering.txt", "A100")])
+def test_nvswitch_any_layout_is_equal_and_the_plan_says_so(capture, gpu):
+    node = load_topology_file(FIX / capture, gpu)
+    plan = _plan(node, "parallel.tp=2", gpu=gpu)
+    assert [r["gpu"] for r in plan.ranks] == list(range(8))
+    assert any("any layout is equal" in line for line in plan.explanation)
+
+
+def test_cube_mesh_splits_into_fully_connected_quads():
+    # DGX-1 style hybrid cube mesh: two NVLink quads {0,1,2,3}, {4,5,6,7} joined i <-> i+4.
+    quads = [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    links = []
+    for a in range(8):
+        for b in range(a + 1, 8):
+            same = any({a, b} <= q for q in quads)
+            if same or b == a + 4:
+                links.append(Link(a=a, b=b, kind="nvlink", nvlinks=1, nvlink_gen=2, bandwidth_gbps=25.0 if same else 50.0,
+                                  latency_us=1.0))
+            else:
+                links.append(Link(a=a, b=b, kind="sys", bandwidth_gbps=6.3, latency_us=6.0))
+    from orchestrator.topology.model import Device
+    # Number the GPUs so that the quads are interleaved: the identity layout would be wrong.
+    perm = {0: 0, 1: 2, 2: 4, 3: 6, 4: 1, 5: 3, 6: 5, 7: 7}
+    node = _relabel(NodeTopology(devices=[Device(index=i, name="V100") for i in range(8)], links=links), perm)
+    plan = _plan(node, "parallel.tp=4", gpu="V100")
+    assert sorted(map(sorted, _tp_pairs(plan))) == [sorted(perm[i] for i in q) for q in quads]
+
+
+def test_hsdp_shard_groups_stay_inside_a_node():
+    node = load_topology_file(FIX / "topo_h100_8gpu_mlengineering.txt", "H100")
+    plan = _plan(node, "parallel.strategy=hsdp", "parallel.dp_shard=8", "parallel.tp=1", gpu="H100", nodes=4)
+    node_of = {r["rank"]: r["node"] for r in plan.ranks}
+    for g in plan.groups["dp_shard"]:
+        assert len({node_of[r] for r in g}) == 1
+    for g in plan.groups["dp_replicate"]:
+        assert len({node_of[r] for r in g}) == 4
+
+
+def test_mesh_groups_follow_init_device_mesh_numbering():
+    groups = mesh_groups((2, 3, 2))
+    assert groups["tp"][0] == [0, 1] and groups["dp_shard"][0] == [0, 2, 4] and groups["dp_replicate"][0] == [0, 6]
+    with pytest.raises(ValueError, match="must divide"):
+        in_node_shape((1, 3, 3), 8)
+
+
+def test_equal_nodes_share_one_layout():
+    node = load_topology_file(FIX / "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", "RTX A6000")
+    w = NodeWiring.of(node)
+    assert node_layout(w, (1, 4, 2), (True, True, False)) is node_layout(NodeWiring.of(node), (1, 4, 2), (True, True, False))

@@ -1,0 +1,112 @@
+"""Model arithmetic and memory model against the papers' published figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.planning.comm import all_gather, bus_factor, reduce_scatter, ring_all_reduce, tree_all_reduce
+from orchestrator.planning.memory import byte_layout, model_states, rank_memory
+from orchestrator.planning.model_math import (
+    ModelShape,
+    activation_bytes_per_layer,
+    flops_per_step,
+    narayanan_params,
+    param_count,
+)
+from orchestrator.planning.sync import auto_bucket_mb, powersgd_ratio
+
+# Narayanan et al. 2021, Table 1: (printed billions, heads, hidden, layers); V=51200, s=2048.
+NARAYANAN_TABLE_1 = [
+    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40),
+    (39.1, 64, 8192, 48), (76.1, 80, 10240, 60), (145.6, 96, 12288, 80), (310.1, 128, 16384, 96),
+    (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128),
+]
+
+
+@pytest.mark.parametrize("billions,heads,hidden,layers", NARAYANAN_TABLE_1)
+def test_narayanan_table_1_parameter_counts(billions, heads, hidden, layers):
+    shape = ModelShape(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048)
+    count = param_count(shape)
+    # The paper prints one decimal: every row must round to it; rows whose rounding step is
+    # finer than 0.5% must also be within 0.5%.
+    assert round(count / 1e9, 1) == billions
+    if 0.05 / billions < 0.005:
+        assert abs(count / 1e9 / billions - 1) < 0.005
+    # Eq. 2 counts everything but the final LayerNorm's weight and bias.
+    assert count - narayanan_params(shape) == pytest.approx(2 * hidden, abs=1e-3 * hidden)
+
+
+def test_param_count_matches_the_torch_model():
+    torch = pytest.importorskip("torch")
+    from orchestrator.workloads.gpt import GPT, GPTConfig
+
+    for bias in (True, False):
+        cfg = GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=97, block_size=32, bias=bias)
+        torch.manual_seed(0)
+        shape = ModelShape(layers=3, hidden=64, heads=4, vocab=97, seq=32, bias=bias)
+        assert param_count(shape) == GPT(cfg).num_params()
+
+
+def test_flops_match_narayanan_eq_3():
+    shape = ModelShape(layers=36, hidden=4096, heads=32, vocab=51200, seq=2048)
+    B, s, l, h, V = 512, 2048, 36, 4096, 51200
+    full = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert flops_per_step(shape, B, "full") == pytest.approx(full, rel=1e-12)
+    none = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    assert flops_per_step(shape, B, "none") == pytest.approx(none, rel=1e-12)
+    assert flops_per_step(shape, B, "none") < flops_per_step(shape, B, "selective") < flops_per_step(shape, B, "full")
+
+
+def test_activation_bytes_follow_korthikanti():
+    # GPT-3 175B of the paper: s=2048, b=1, h=12288, a=96, t=8.
+    shape = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+    sbh = 2048 * 12288
+    assert activation_bytes_per_layer(shape, 1) == pytest.approx(sbh * (34 + 5 * 96 * 2048 / 12288))
+    assert activation_bytes_per_layer(shape, 1, tp=8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * 96 * 2048 / (12288 * 8)))
+    assert activation_bytes_per_layer(shape, 1, tp=8, sequence_parallel=True) == \
+        pytest.approx(sbh * (34 / 8 + 5 * 96 * 2048 / (12288 * 8)))
+    assert activation_bytes_per_layer(shape, 1, tp=8, sequence_parallel=True, recompute="selective") == \
+        pytest.approx(sbh * 34 / 8)
+    assert activation_bytes_per_layer(shape, 1, tp=8, recompute="full") == pytest.approx(2 * sbh)
+
+
+@pytest.mark.parametrize("strategy,gb", [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)])
+def test_zero_table_1(strategy, gb):
+    # Rajbhandari et al. 2020, Table 1: 7.5B parameters, 64 GPUs, fp16 mixed precision (K=12).
+    w, g, k = model_states(strategy, 7.5e9, 64, byte_layout("fp16"))
+    assert (w + g + k) / 1e9 == pytest.approx(gb, rel=0.01)
+
+
+def test_runtime_byte_layouts():
+    assert (lambda l: (l.weights, l.grads, l.optimizer))(byte_layout("auto")) == (4, 4, 8)
+    assert (lambda l: (l.weights, l.grads, l.optimizer))(byte_layout("bf16", "cpu")) == (4, 4, 8)
+    assert byte_layout("auto", "cpu").activation == 4 and byte_layout("bf16").activation == 2
+
+
+def test_rank_memory_shrinks_with_sharding_and_recompute():
+    shape = ModelShape(layers=24, hidden=2048, heads=16, vocab=50304, seq=2048)
+    lay = byte_layout("bf16")
+    totals = [rank_memory(s, shape, 1, 8, 4, "none", lay, 25 * 2**20).total for s in ("ddp", "zero1", "zero2", "zero3")]
+    assert totals == sorted(totals, reverse=True)
+    acts = [rank_memory("zero3", shape, 1, 8, 4, rc, lay, 0).activations for rc in ("none", "selective", "full")]
+    assert acts == sorted(acts, reverse=True)
+
+
+def test_collective_costs():
+    n, bw = 1e9, 100.0
+    assert bus_factor("all_reduce", 8) == pytest.approx(1.75)
+    ar = ring_all_reduce(n, 8, bw, 0.0)
+    assert ar == pytest.approx(1.75 * n / 100e9, rel=1e-3)
+    assert reduce_scatter(n, 8, bw, 0.0) + all_gather(n, 8, bw, 0.0) == pytest.approx(ar, rel=1e-3)
+    # Tree wins for small messages on many ranks (latency), ring for large ones (bandwidth).
+    assert tree_all_reduce(1e3, 1024, bw, 5.0) < ring_all_reduce(1e3, 1024, bw, 5.0)
+    assert ring_all_reduce(1e10, 8, bw, 5.0) < tree_all_reduce(1e10, 8, bw, 5.0)
+    assert ring_all_reduce(n, 1, bw, 5.0) == 0.0
+
+
+def test_bucket_and_powersgd():
+    # A faster link needs a bigger bucket to amortise the same latency.
+    assert auto_bucket_mb(4e9, 64, 400.0, 5.0) > auto_bucket_mb(4e9, 64, 10.0, 5.0)
+    assert 1.0 <= auto_bucket_mb(1e6, 2, 10.0, 2.0) <= 256.0
+    shape = ModelShape(layers=12, hidden=768, heads=12, vocab=50304, seq=1024)
+    assert 0 < powersgd_ratio(shape) < 0.05
