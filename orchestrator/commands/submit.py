@@ -9,6 +9,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", help="job file, e.g. jobs/llm.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.max_steps=100")
     p.add_argument(
+        "--address", metavar="URL",
+        help="submit to a Ray cluster's Jobs API (e.g. http://HEAD:8265) and return; "
+             "the driver then runs on the cluster (see `status`, `logs`, `stop`)",
+    )
+    p.add_argument(
         "--resume", metavar="RUN_DIR",
         help="continue from the latest whole checkpoint of an earlier run (its directory is only read)",
     )
@@ -33,19 +38,43 @@ def resume_checkpoint(run_dir: str) -> str:
     raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root / 'checkpoints'}")
 
 
+def _stop_on_sigterm() -> None:
+    """`stop` (and schedulers) end the driver with SIGTERM: turn it into KeyboardInterrupt so
+    the driver's cleanup runs (actors and placement group released, run directory closed)."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+
+    if args.address:
+        from ..remote import submit_remote
+
+        if args.resume:
+            from ..errors import ConfigError
+
+            raise ConfigError("--resume reads a local run directory; with --address, resume on the cluster instead")
+        job_id = submit_remote(args.address, args.job, args.overrides)
+        print(f"submitted {job_id} to {args.address}")
+        print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
+        return 0
 
     from ..cluster import connect
     from ..config import load_config
     from ..rundir import RunDir
     from ..runtime.driver import run_job
 
+    _stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
     resume = resume_checkpoint(args.resume) if args.resume else None
     console = Console()
     run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
-    console.print(f"run directory: {run_dir.path}")
+    console.print(f"run directory: {run_dir.path}", markup=False)
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
         run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)

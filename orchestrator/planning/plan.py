@@ -44,7 +44,8 @@ class Plan:
     """How a job runs on a cluster; `to_dict()` is the JSON contract of `plan --json`."""
 
     model: dict[str, Any]
-    """`params` (distinct parameters), `flops_per_step` (model FLOPs of one optimizer step)."""
+    """`params` (distinct parameters), `flops_per_step` (model FLOPs of one optimizer step),
+    `peak_tflops_per_rank` (the device peak the compute model used; MFU is measured against it)."""
     strategy: str
     """`ddp`, `zero1`, `zero2`, `zero3` or `hsdp`."""
     mesh: dict[str, int]
@@ -294,7 +295,8 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
                       "step_time_s": None, "memory_per_rank": None} for r in res.rejected[:MAX_ALTERNATIVES]]
     mesh = e.choice.mesh
     return Plan(
-        model={"params": ctx.params, "flops_per_step": model_flops_per_step(shape, ctx.global_batch)},
+        model={"params": ctx.params, "flops_per_step": model_flops_per_step(shape, ctx.global_batch),
+               "peak_tflops_per_rank": ctx.speed.peak_tflops},
         strategy=e.choice.strategy,
         mesh=dict(zip(AXES, mesh)),
         ranks=rank_placements(topology, cl),

@@ -15,12 +15,14 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
 from ..rundir import RunDir
 from .curve import loss_svg
+from .metrics import record_restart
 from .progress import ProgressView
 
 
@@ -80,7 +82,7 @@ def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | No
         try:
             meta = checkpoint.verify(path)
         except CheckpointError as e:
-            console.print(f"[yellow]warning:[/] {e}; trying the previous checkpoint")
+            console.print(f"[yellow]warning:[/] {escape(str(e))}; trying the previous checkpoint")
             continue
         return path, int(meta["step"])
     return None
@@ -121,6 +123,7 @@ def run_job(
                 "steps_lost": max(0, state.last_step - resume_step),
             }
             state.restarts.append(restart)
+            record_restart(cfg.name)
             if len(state.restarts) > cfg.train.max_failures:
                 run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
                 raise RunFailed(
@@ -128,8 +131,8 @@ def run_job(
                     f"restarts are used up; the last whole checkpoint is {resume or 'none'}"
                 ) from f
             console.print(
-                f"[red]failure:[/] {f.reason} (ranks {f.ranks}); restart {len(state.restarts)}/"
-                f"{cfg.train.max_failures} from " + (f"step {resume_step} ({resume})" if resume else
+                f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {len(state.restarts)}/"
+                f"{cfg.train.max_failures} from " + (f"step {resume_step} ({escape(resume)})" if resume else
                                                     "step 0: no checkpoint was written yet")
             )
             state.rewind(resume_step)
@@ -185,10 +188,10 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
         for note in setups[0]["notes"]:
-            console.print(f"[yellow]note:[/] {note}")
+            console.print(f"[yellow]note:[/] {escape(note)}")
         start = setups[0]["start_step"]
         if resume:
-            console.print(f"resumed from {resume} at step {start}")
+            console.print(f"resumed from {escape(resume)} at step {start}")
         finals = _train(cfg, run, console, placement, state, start, ckpt_dir)
         ray.get([a.shutdown.remote() for a in actors])
     finally:
@@ -259,7 +262,7 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
         elif kind == "checkpoint":
             state.checkpoints.append(it["path"])
         elif kind == "step":
-            row = {k: it[k] for k in ("step", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "val_loss")}
+            row = {k: it.get(k) for k in ("step", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu", "val_loss")}
             state.rows.append(row)
             if row["val_loss"] is not None:
                 state.val.append((row["step"], row["val_loss"]))
@@ -325,5 +328,5 @@ def _print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)
     for w in s["warnings"]:
-        console.print(f"[yellow]warning:[/] {w}")
-    console.print(f"run directory: {run.path}  (loss curve: {run.path / 'loss.svg'})")
+        console.print(f"[yellow]warning:[/] {escape(w)}")
+    console.print(f"run directory: {run.path}  (loss curve: {run.path / 'loss.svg'})", markup=False)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -46,6 +46,7 @@ from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 RECOMPUTES = ("none", "selective", "full")
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+_DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -139,6 +140,31 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
+@contextlib.contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hide parameter groups that hold no parameters, then put them back at their positions.
+
+    ZeRO-1 partitions every group across ranks, so a rank can own nothing of a small group
+    (e.g. the no-decay biases); the flattened DCP optimizer format names groups by their
+    first parameter and cannot represent an empty one. ZeroRedundancyOptimizer matches its
+    groups to the local optimizer's by index, hence the exact reinsertion.
+    """
+    groups = optimizer.param_groups
+    empty = [i for i, g in enumerate(groups) if not g["params"]]
+    if not empty:
+        yield
+        return
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield
+    finally:
+        # load_state_dict may have installed new group dicts; keep those and restore the empties.
+        restored = list(optimizer.param_groups)
+        for i in empty:
+            restored.insert(i, groups[i])
+        optimizer.param_groups = restored
+
+
 @dataclass
 class Parallelized:
     """A model wrapped for its strategy, with the optimizer built over the wrapped parameters."""
@@ -151,10 +177,19 @@ class Parallelized:
     """What was done differently from the plan, and why (one sentence each)."""
     _synced_once: bool = field(default=False, init=False, repr=False)
     """Whether DDP has run a forward with gradient sync on (its graph-recording iteration)."""
+    _grad_bytes_at_step: int = field(default=0, init=False, repr=False)
+    """Gradient storage when the optimizer last stepped (all gradients are live then)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
             self.model.register_forward_pre_hook(self._note_sync)
+        self.optimizer.register_step_pre_hook(self._note_grad_bytes)
+
+    def _note_grad_bytes(self, *_: object) -> None:
+        self._grad_bytes_at_step = self._grad_bytes()
+
+    def _grad_bytes(self) -> int:
+        return _storage_bytes((p.grad for p in self.model.parameters() if p.grad is not None), set())
 
     def _note_sync(self, module: DistributedDataParallel, _args: object) -> None:
         if module.require_backward_grad_sync:
@@ -214,45 +249,45 @@ class Parallelized:
         return self.optimizer
 
     def state_bytes(self) -> dict[str, int]:
-        """This rank's model-state storage in bytes: params, grads (as held now), optimizer.
+        """This rank's model-state storage in bytes: params, grads, optimizer.
 
         Counts real storages (padded FSDP2 shards, DDP's gradient buckets when grads are
         bucket views) and each storage once, so tied weights and views are not doubled.
-        Call it after backward and before ``zero_grad`` to see the gradients.
+        Gradients are those held now or, between ``zero_grad(set_to_none=True)`` and the
+        next backward, those held at the last optimizer step: the steady-state footprint.
         """
-        seen: set[int] = set()
-        params = list(self.model.parameters())
-        param_bytes = _storage_bytes(params, seen)
-        grad_bytes = _storage_bytes((p.grad for p in params if p.grad is not None), seen)
+        param_bytes = _storage_bytes(self.model.parameters(), set())
         states = (
             v for s in self._local_optimizer().state.values() for v in s.values() if isinstance(v, torch.Tensor)
         )
-        optim_bytes = _storage_bytes(states, seen)
+        optim_bytes = _storage_bytes(states, set())
+        grad_bytes = self._grad_bytes() or self._grad_bytes_at_step
         return {"params": param_bytes, "grads": grad_bytes, "optimizer": optim_bytes}
 
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer"} state with FQN keys and sharded tensors, ready for ``dcp.save``.
 
-        ZeRO-1 state is one plain optimizer per rank over a different parameter subset, which
-        DCP would otherwise take for replicated and save once; it goes under a per-rank key,
-        so it resumes on the same data-parallel world size.
+        The optimizer state is flattened to one key per parameter and entry
+        (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so every strategy writes the
+        same keys and DCP can reshard between them. Under ZeRO-1 each key exists on the one
+        rank that owns the parameter, which DCP saves from that rank alone.
         """
-        model_sd, optim_sd = get_state_dict(self.model, self._local_optimizer())
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            optim_sd = {f"zero1_rank{self.optimizer.rank}": optim_sd}
+        optimizer = self._local_optimizer()
+        with _without_empty_groups(optimizer):
+            model_sd, optim_sd = get_state_dict(self.model, optimizer, options=_DCP_OPTIONS)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (after ``dcp.load`` filled it in place)."""
-        optim_sd = state_dict["optimizer"]
-        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
-            optim_sd = optim_sd[f"zero1_rank{self.optimizer.rank}"]
-        set_state_dict(
-            self.model,
-            self._local_optimizer(),
-            model_state_dict=state_dict["model"],
-            optim_state_dict=optim_sd,
-        )
+        optimizer = self._local_optimizer()
+        with _without_empty_groups(optimizer):
+            set_state_dict(
+                self.model,
+                optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optimizer"],
+                options=_DCP_OPTIONS,
+            )
 
 
 def _apply_recompute(model: nn.Module, recompute: str) -> None:
@@ -311,7 +346,7 @@ def parallelize(
         group = _dp_mesh(mesh).get_group()
         ddp = DistributedDataParallel(
             model,
-            device_ids=[device.index] if device.type == "cuda" else None,
+            device_ids=[device] if device.type == "cuda" else None,
             process_group=group,
             bucket_cap_mb=spec.bucket_mb,
             gradient_as_bucket_view=True,

@@ -148,16 +148,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean validation loss over `eval_iters` batches of `global_batch_size` sequences: the
+        same sequences whatever the world size, each rank taking its data-parallel share in
+        micro-batch chunks (the share is micro x accum, so chunks are equal and means average)."""
         t = self.cfg.train
         model = self.par.model
         model.eval()
         total = torch.zeros((), device=self.device)
-        per_eval = max(self.dp_world, self.micro * self.dp_world)
         for i in range(t.eval_iters):
-            x, y = self.data.val_batch(i, per_eval, self.dp_rank, self.dp_world)
-            with self._autocast():
-                total += model(x.to(self.device), y.to(self.device)).float()
-        return self._global_mean(total / t.eval_iters)
+            x, y = self.data.val_batch(i, t.global_batch_size, self.dp_rank, self.dp_world)
+            x, y = x.to(self.device), y.to(self.device)
+            for j in range(0, len(x), self.micro):
+                with self._autocast():
+                    total += model(x[j:j + self.micro], y[j:j + self.micro]).float()
+        return self._global_mean(total / (t.eval_iters * self.accum))
 
 
 def init_process_group(rank: int, world: int, master_addr: str, master_port: int, backend: str) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import ray
 
+from .metrics import TrainMetrics
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -109,6 +111,11 @@ class Worker:
             backend = "gloo"
         init_process_group(self.rank, self.world, master[0], master[1], backend)
         self.trainer = Trainer(cfg, plan, device)
+        self.metrics = TrainMetrics(cfg.name, self.rank)
+        model = plan.get("model", {})
+        # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
+        self.flops_per_rank_step = model.get("flops_per_step", 0) / self.world
+        self.peak_flops = model.get("peak_tflops_per_rank", 0) * 1e12
         start = 0
         if resume_from:
             start = self.trainer.load_checkpoint(resume_from)
@@ -132,8 +139,12 @@ class Worker:
             final = done == cfg.train.max_steps
             if done % cfg.train.eval_interval == 0 or final:
                 res.val_loss = last_val = tr.evaluate()
+            row = {**asdict(res), "step": done}
+            if self.peak_flops:
+                row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
+            self.metrics.record_step(row)
             if self.rank == 0:
-                sink.put.remote({"kind": "step", **asdict(res), "step": done})
+                sink.put.remote({"kind": "step", **row})
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
                 path = checkpoint.save(

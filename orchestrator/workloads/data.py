@@ -61,6 +61,8 @@ class TextData:
 
     def val_batch(self, i: int, batch: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th validation batch's share for this rank (the same batches at every evaluation)."""
-        per_rank = max(1, batch // world)
+        if batch % world:
+            raise ValueError(f"validation batch {batch} must divide evenly over {world} ranks")
+        per_rank = batch // world
         offsets = self._offsets(self.val, -1 - i, per_rank * world)[rank * per_rank:(rank + 1) * per_rank]
         return self._gather(self.val, offsets)

@@ -1,0 +1,181 @@
+"""Parity harness: the same tiny GPT trained by one process and by 4 gloo ranks per strategy.
+
+Kept out of the test module so spawned ranks import it without importing pytest.
+Every case starts from the same seed and the same global batches; a rank trains on its
+data-parallel slice of each micro-batch, exactly as the training loop does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from orchestrator.runtime.parallelize import ParallelSpec, build_mesh, data_parallel_rank, parallelize
+from orchestrator.workloads.gpt import GPT, GPTConfig, param_groups
+
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)
+WORLD = 4
+STEPS = 6
+GLOBAL_MICRO_BATCH = 8
+MAX_NORM = 0.5  # below the first steps' gradient norm, so clipping really scales the update
+LR = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    spec: ParallelSpec
+    accum: int
+    tolerance: float = 1e-5
+    checkpoint: bool = True
+    """Also save with DCP after the first steps and resume a freshly initialised replica."""
+    resume_from: str | None = None
+    """Also resume from this earlier case's checkpoint (same accum, other layout): DCP resharding."""
+
+
+CASES = [
+    Case("ddp", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1}, bucket_mb=0.05,
+                             static_graph=True, recompute="full"), accum=2, checkpoint=False),
+    Case("zero1", ParallelSpec("zero1", {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
+                               compression="powersgd"), accum=2),
+    # R=2 x S=2 for zero2: all four data-parallel ranks still form one shard group.
+    Case("zero2", ParallelSpec("zero2", {"dp_replicate": 2, "dp_shard": 2, "tp": 1},
+                               compression="bf16"), accum=2),
+    Case("zero3", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 4, "tp": 1},
+                               recompute="selective"), accum=1),
+    Case("hsdp", ParallelSpec("hsdp", {"dp_replicate": 2, "dp_shard": 2, "tp": 1}), accum=2, resume_from="zero1"),
+    Case("tp_fsdp", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}), accum=2,
+         resume_from="zero2"),
+    Case("tp_ddp", ParallelSpec("ddp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}), accum=1, checkpoint=False),
+    # fp16 rounding of the gradient all-reduce: parity only to fp16 precision.
+    Case("ddp_fp16", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
+                                  compression="fp16"), accum=1, tolerance=5e-4, checkpoint=False),
+]
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, weight_decay=0.1), lr=LR, betas=(0.9, 0.95))
+
+
+def batches(accum: int) -> torch.Tensor:
+    """(STEPS, accum, 2, GLOBAL_MICRO_BATCH, block_size) token ids: inputs and next-token targets.
+
+    Arithmetic sequences (random start and stride) are learnable within a few steps, so the
+    loss trajectory moves and a strategy that mis-reduces gradients shows up in it.
+    """
+    g = torch.Generator().manual_seed(1234)
+    shape = (STEPS, accum, GLOBAL_MICRO_BATCH, 1)
+    start = torch.randint(0, CFG.vocab_size, shape, generator=g)
+    stride = torch.randint(1, 4, shape, generator=g)
+    seq = (start + stride * torch.arange(CFG.block_size + 1)) % CFG.vocab_size
+    return torch.stack([seq[..., :-1], seq[..., 1:]], dim=2)
+
+
+def fresh_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def reference(accum: int) -> dict[str, list[float]]:
+    """Single-process training on the whole global batch: the trajectory every strategy must match."""
+    model = fresh_model()
+    opt = make_optimizer(model)
+    losses, norms = [], []
+    for step in batches(accum):
+        total = 0.0
+        for x, y in step:
+            loss = model(x, y) / accum
+            loss.backward()
+            total += loss.item()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "norms": norms}
+
+
+def _train_step(par, step: torch.Tensor, accum: int, dp_rank: int, dp_world: int) -> tuple[float, float]:
+    share = GLOBAL_MICRO_BATCH // dp_world
+    local = torch.zeros(())
+    for i, (x, y) in enumerate(step):
+        x, y = x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share]
+        ctx = par.no_sync() if i < accum - 1 else contextlib.nullcontext()
+        with ctx:
+            loss = par.model(x, y) / accum
+            loss.backward()
+        local += loss.detach()
+    norm = par.clip_grad_norm_(MAX_NORM)
+    par.optimizer.step()
+    # Every rank of a tp group holds the same loss, so the mean over all ranks is the dp mean.
+    dist.all_reduce(local)
+    return float(local) / dist.get_world_size(), norm
+
+
+def _resume(case: Case, par, mesh, ckpt: str):
+    """A differently initialised replica, restored from `par` through a DCP checkpoint."""
+    dcp.save(par.state_dict(), checkpoint_id=ckpt)
+    return _restore(case, mesh, ckpt)
+
+
+def _restore(case: Case, mesh, ckpt: str):
+    restored = parallelize(fresh_model(seed=99), case.spec, mesh, make_optimizer, torch.device("cpu"))
+    sd = restored.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt)
+    restored.load_state_dict(sd)
+    return restored
+
+
+def _run_case(case: Case, ckpt_root: str) -> dict:
+    mesh = build_mesh(case.spec, "cpu")
+    dp_rank, dp_world = data_parallel_rank(mesh)
+    par = parallelize(fresh_model(), case.spec, mesh, make_optimizer, torch.device("cpu"))
+    data = batches(case.accum)
+    losses, norms = [], []
+    for step in data[:-1]:
+        loss, norm = _train_step(par, step, case.accum, dp_rank, dp_world)
+        losses.append(loss)
+        norms.append(norm)
+        par.optimizer.zero_grad(set_to_none=True)
+        state = par.state_bytes()  # where the training loop reads it: after zero_grad
+
+    # The replica must take the last step exactly as the trained model does.
+    restored = _resume(case, par, mesh, os.path.join(ckpt_root, case.name)) if case.checkpoint else None
+    other = _restore(case, mesh, os.path.join(ckpt_root, case.resume_from)) if case.resume_from else None
+    loss, norm = _train_step(par, data[-1], case.accum, dp_rank, dp_world)
+    losses.append(loss)
+    norms.append(norm)
+    resumed_loss = _train_step(restored, data[-1], case.accum, dp_rank, dp_world)[0] if restored else None
+    resharded_loss = _train_step(other, data[-1], case.accum, dp_rank, dp_world)[0] if other else None
+
+    all_states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(all_states, state)
+    return {"losses": losses, "norms": norms, "resumed_loss": resumed_loss,
+            "resharded_loss": resharded_loss,
+            "state_bytes": all_states, "notes": par.notes}
+
+
+def run_rank(rank: int, init_file: str, out_file: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        results = {}
+        with tempfile.TemporaryDirectory() as scratch:
+            ckpt_root = [scratch]
+            dist.broadcast_object_list(ckpt_root)  # one directory shared by all ranks
+            for case in CASES:
+                if case.name in names:
+                    results[case.name] = _run_case(case, ckpt_root[0])
+                dist.barrier()
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()

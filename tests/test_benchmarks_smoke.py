@@ -1,0 +1,131 @@
+"""The benchmarks' own logic on tiny sizes: each produces the figures its JSON promises.
+
+No timing is asserted (this machine's timings are not the benchmarks' business here); the
+figures must exist, be consistent with each other, and follow from the planner's models.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _common  # noqa: E402
+import cost_model  # noqa: E402
+import memory_model  # noqa: E402
+import placement_gain  # noqa: E402
+import runtime_overhead  # noqa: E402
+
+
+def test_write_result_records_machine_command_and_figures(tmp_path):
+    args = _common.parse_args(cost_model.__doc__, ["--quick", "--out", str(tmp_path / "x.json")])
+    path = _common.write_result("cost_model", {"mean_error": 0.1}, args)
+    data = json.loads(path.read_text())
+    assert data["command"] == "python benchmarks/cost_model.py --quick"
+    assert data["mean_error"] == 0.1
+    assert data["machine"]["cpu_cores"] >= 1 and data["machine"]["torch"]
+
+
+def test_steady_mean_skips_the_warm_up_steps():
+    assert _common.steady_mean([10.0] * 2 + [1.0] * 8) == 1.0
+    assert _common.steady_mean([5.0, 1.0, 1.0, 1.0, 1.0]) == 1.0
+    with pytest.raises(ValueError):
+        _common.steady_mean([])
+
+
+def test_cost_model_prediction_is_the_planners_ring_formula():
+    from orchestrator.planning.comm import LAUNCH_S
+    from orchestrator.planning.cost import GLOO_STEP_US
+
+    n, p, lat, bw = 64 << 20, 4, 20.0, 5.0
+    ring = LAUNCH_S + 2 * (p - 1) * (lat + GLOO_STEP_US) * 1e-6 + 2 * (p - 1) / p * n / (bw * 1e9)
+    assert cost_model.predict("all_reduce", n, p, lat, bw, "gloo") == pytest.approx(ring)
+    half = LAUNCH_S + (p - 1) * lat * 1e-6 + (p - 1) / p * n / (bw * 1e9)
+    assert cost_model.predict("reduce_scatter", n, p, lat, bw, "nccl") == pytest.approx(half)
+    assert cost_model.predict("all_gather", n, p, lat, bw, "nccl") == pytest.approx(half)
+    with pytest.raises(ValueError, match="unknown collective"):
+        cost_model.predict("broadcast", n, p, lat, bw, "gloo")
+
+
+def test_cost_model_measures_two_gloo_ranks_and_reports_errors():
+    sizes = [4 << 10, 256 << 10]
+    raw = cost_model.measure(2, "gloo", sizes, [4 << 10, 64 << 10, 1 << 20])
+    res = cost_model.compare(raw, 2, "gloo", sizes)
+    assert len(res["rows"]) == len(cost_model.OPS) * len(sizes)
+    for r in res["rows"]:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0
+        assert r["error"] == pytest.approx(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"])
+    assert res["max_error"] >= res["mean_error"] >= 0
+    assert res["calibration"]["bandwidth_gbps"] > 0 and res["calibration"]["latency_us"] > 0
+    assert set(res["per_op"]) == set(cost_model.OPS)
+    assert res["goal"]["met"] == (res["mean_error"] < 0.15)
+    assert res["allreduce_calibrated"]["bandwidth_gbps"] > 0
+
+
+def test_cost_model_sizes_span_4k_to_256m():
+    assert cost_model.FULL_SIZES[0] == 4 << 10 and cost_model.FULL_SIZES[-1] == 256 << 20
+    assert cost_model.QUICK_SIZES[-1] == 16 << 20
+
+
+def test_memory_model_plans_every_strategy_with_its_mesh():
+    planned = memory_model.plans(4, memory_model.QUICK_MODEL)
+    got = {c["label"]: (c["plan"]["strategy"], tuple(c["plan"]["mesh"].values())) for c in planned}
+    assert got == {"ddp": ("ddp", (4, 1, 1)), "zero1": ("zero1", (1, 4, 1)), "zero2": ("zero2", (1, 4, 1)),
+                   "zero3": ("zero3", (1, 4, 1)), "hsdp": ("hsdp", (2, 2, 1)), "tp+fsdp": ("zero3", (1, 2, 2))}
+    with pytest.raises(ValueError, match="even world"):
+        memory_model.cases(3)
+
+
+def test_memory_model_compare_takes_the_largest_rank():
+    planned = [{"label": "zero1", "plan": {"strategy": "zero1", "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 1},
+                                          "memory_per_rank": {"params": 100, "grads": 100, "optimizer": 100}}}]
+    measured = [[{"rank": 0, "params": 100, "grads": 100, "optimizer": 90, "notes": []},
+                 {"rank": 1, "params": 100, "grads": 100, "optimizer": 110, "notes": []}]]
+    res = memory_model.compare(planned, measured)
+    row = res["rows"][0]
+    assert row["measured"]["total"] == 310 and row["predicted"]["total"] == 300
+    assert row["error"] == pytest.approx(10 / 310)
+    assert res["goal"]["met"] and res["max_error"] == row["error"]
+
+
+def test_placement_gain_aware_plan_is_never_slower_than_its_blind_baseline():
+    cl = {c["name"]: c for c in placement_gain.clusters(quick=True)}
+    pairs = cl["topo_8x_rtxa6000_nvlink_pairs_unige3741.txt"]
+    assert "skipped" in cl["nvlink_status_a100_nccltests228_gpu0.txt"]
+    row = placement_gain.compare(pairs["topology"], pairs["gpu"], placement_gain.MODELS["125M"])
+    assert row["aware"]["fits"] and row["blind"]["fits"]
+    assert row["aware"]["step_s"] <= row["blind"]["step_s"] * (1 + 1e-9)
+    assert row["speedup_vs_blind"] == pytest.approx(row["blind"]["step_s"] / row["aware"]["step_s"])
+    assert sorted(row["aware"]["gpu_order"]) == list(range(8))
+
+
+def test_identity_layout_sees_the_pcie_hop_an_nvlink_pair_layout_avoids():
+    from orchestrator.planning.layout import Wirings, cluster_layout
+
+    pairs = next(c for c in placement_gain.clusters(quick=True)
+                 if c["name"] == "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt")
+    wirings = Wirings.of(pairs["topology"])
+    aware = cluster_layout(wirings, (1, 4, 2))
+    ident = placement_gain.identity_layout(wirings, (1, 4, 2))
+    # GPUs 0-1, 2-3, ... are bridged: the default order already pairs them for tp=2.
+    assert ident.rings["tp"].gbps == aware.rings["tp"].gbps > 20
+    # The data-parallel ring between the pairs crosses PCIe, whatever the order.
+    assert ident.rings["dp_shard"].gbps < ident.rings["tp"].gbps
+
+
+def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
+    plan, pinned = runtime_overhead.plan_for(runtime_overhead.overrides(5))
+    assert plan["strategy"] == "ddp" and plan["world_size"] == 2
+    assert f"train.micro_batch_size={plan['micro_batch_size']}" in pinned
+    runs = [{"launcher": "ours", "first_step_s": 10.0, "tokens_per_s": 970.0},
+            {"launcher": "ray_train", "first_step_s": 20.0, "tokens_per_s": 900.0},
+            {"launcher": "torchrun", "first_step_s": 5.0, "tokens_per_s": 1000.0}]
+    s = runtime_overhead.summarize(runs)
+    assert s["ratios"]["throughput_ours_over_torchrun"] == pytest.approx(0.97)
+    assert s["ratios"]["first_step_ours_over_ray_train"] == pytest.approx(0.5)
+    assert s["goals"]["throughput_vs_torchrun"]["met"] and s["goals"]["first_step_vs_ray_train"]["met"]

@@ -1,0 +1,169 @@
+"""Every sharding strategy trains exactly like one process on the same global batch.
+
+One launch of 4 gloo ranks runs all cases (see tests/_parity_worker.py); each case is
+compared with a single-process reference: loss and clipped gradient norm per step, the
+per-rank model-state bytes the strategy should hold, and a DCP save/restore that must
+resume bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import _parity_worker as pw
+from orchestrator.errors import PlanError
+from orchestrator.runtime.parallelize import ParallelSpec
+from orchestrator.runtime.tensor_parallel import BLOCK_PLAN_NAMES, apply_tensor_parallel
+
+CASES = {c.name: c for c in pw.CASES}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("parity")
+    out = root / "results.json"
+    mp.spawn(pw.run_rank, args=(str(root / "init"), str(out), list(CASES)), nprocs=pw.WORLD, join=True)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[int, dict[str, list[float]]]:
+    torch.set_num_threads(1)
+    return {accum: pw.reference(accum) for accum in {c.accum for c in pw.CASES}}
+
+
+def test_reference_learns_and_clips(references) -> None:
+    # Parity is only meaningful if the trajectory moves and clipping is active.
+    for ref in references.values():
+        assert ref["losses"][0] - ref["losses"][-1] > 0.3
+        assert min(ref["norms"]) > pw.MAX_NORM
+
+
+@pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.tolerance <= 1e-5])
+def test_loss_and_grad_norm_match_single_process(name, results, references) -> None:
+    case, got, ref = CASES[name], results[name], references[CASES[name].accum]
+    assert len(got["losses"]) == pw.STEPS >= 5
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        assert abs(a - b) <= case.tolerance, f"{name} step {step}: loss {a} vs single process {b}"
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: grad norm {a} vs single process {b}"
+
+
+def test_fp16_compression_is_applied_and_close(results, references) -> None:
+    got, ref = results["ddp_fp16"], references[CASES["ddp_fp16"].accum]
+    diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
+    # fp16 all-reduce rounds the gradients: visibly different, but only at fp16 precision.
+    assert max(diffs) > 1e-6
+    assert max(diffs) <= CASES["ddp_fp16"].tolerance
+
+
+def test_bf16_on_gloo_is_skipped_with_a_note(results) -> None:
+    assert results["zero2"]["notes"] == [
+        "bf16 gradient compression skipped: it needs the NCCL backend, this group uses gloo"
+    ]
+    assert all(not results[n]["notes"] for n in CASES if n != "zero2")
+
+
+@pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.checkpoint])
+def test_dcp_checkpoint_resumes_exactly(name, results) -> None:
+    got = results[name]
+    assert got["resumed_loss"] == got["losses"][-1]
+
+
+@pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.resume_from])
+def test_dcp_checkpoint_reshards_across_strategies(name, results, references) -> None:
+    # A checkpoint written under another strategy and mesh continues the same trajectory.
+    case = CASES[name]
+    assert CASES[case.resume_from].accum == case.accum
+    assert abs(results[name]["resharded_loss"] - references[case.accum]["losses"][-1]) <= case.tolerance
+
+
+def _is_tp_sharded(param_name: str) -> bool:
+    for module, style in BLOCK_PLAN_NAMES.items():
+        # Row-parallel biases are added after the all-reduce, so they stay whole.
+        if param_name.endswith(f"{module}.weight") or (style == "colwise" and param_name.endswith(f"{module}.bias")):
+            return True
+    return False
+
+
+def _expected_param_bytes(case: pw.Case) -> float:
+    """fp32 parameter bytes one rank should hold: TP divides the block matrices, FSDP shards the rest."""
+    mesh, strategy = case.spec.mesh, case.spec.strategy
+    dp = mesh["dp_replicate"] * mesh["dp_shard"]
+    shard = {"ddp": 1, "zero1": 1, "zero2": dp, "zero3": dp, "hsdp": mesh["dp_shard"]}[strategy]
+    total = 0.0
+    for name, p in pw.fresh_model().named_parameters():
+        total += p.numel() * 4 / (mesh["tp"] if _is_tp_sharded(name) else 1)
+    return total / shard
+
+
+@pytest.mark.parametrize("name", [c.name for c in pw.CASES])
+def test_state_bytes_match_the_strategy(name, results) -> None:
+    case = CASES[name]
+    states = results[name]["state_bytes"]
+    expected = _expected_param_bytes(case)
+    for rank, s in enumerate(states):
+        assert s["params"] == pytest.approx(expected, rel=0.10), f"rank {rank} params"
+        # Gradients live in the same layout as the parameters (full under DDP/ZeRO-1).
+        assert s["grads"] == pytest.approx(expected, rel=0.10), f"rank {rank} grads"
+    if case.spec.strategy == "zero1":
+        full = 2 * _expected_param_bytes(CASES["ddp"])  # AdamW: exp_avg + exp_avg_sq
+        assert sum(s["optimizer"] for s in states) == pytest.approx(full, rel=0.01)
+        assert max(s["optimizer"] for s in states) < full / 2
+    else:
+        for rank, s in enumerate(states):
+            assert s["optimizer"] == pytest.approx(2 * expected, rel=0.10), f"rank {rank} optimizer"
+
+
+def test_zero3_holds_a_quarter_of_the_model(results) -> None:
+    total = sum(p.numel() * 4 for p in pw.fresh_model().parameters())
+    assert results["zero3"]["state_bytes"][0]["params"] == pytest.approx(total / 4, rel=0.05)
+    assert math.isclose(results["ddp"]["state_bytes"][0]["params"], total)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "fsdp"}, "parallel strategy must be one of ddp, zero1, zero2, zero3, hsdp; got 'fsdp'"),
+        ({"mesh": {"dp": 4, "tp": 1}}, "parallel mesh must have exactly the axes dp_replicate, dp_shard, tp"),
+        ({"mesh": {"dp_replicate": 0, "dp_shard": 1, "tp": 1}}, "axis dp_replicate must be a positive integer"),
+        ({"compression": "int8"}, "compression must be one of none, fp16, bf16, powersgd; got 'int8'"),
+        ({"recompute": "some"}, "recompute must be one of none, selective, full; got 'some'"),
+        ({"bucket_mb": 0}, "bucket_mb must be positive"),
+        (
+            {"mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}},
+            "ddp with tp=2 replicates over dp_replicate only; dp_shard must be 1, got 2",
+        ),
+    ],
+)
+def test_spec_rejects_impossible_plans(kwargs, message) -> None:
+    args = {"strategy": "ddp", "mesh": {"dp_replicate": 4, "dp_shard": 1, "tp": 1}} | kwargs
+    with pytest.raises(PlanError, match=re.escape(message)):
+        ParallelSpec(**args)
+
+
+class _MeshOfSize:
+    """Stands in for a tp DeviceMesh: the head-count check runs before any collective."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_tensor_parallel_needs_whole_heads() -> None:
+    model = pw.fresh_model()  # 4 heads
+    with pytest.raises(PlanError, match=re.escape("tp=3 must divide model.n_head=4")):
+        apply_tensor_parallel(model, _MeshOfSize(3))
+
+
+def test_tensor_parallel_needs_the_gpt_blocks() -> None:
+    with pytest.raises(PlanError, match=re.escape("tensor parallelism (tp=2) needs the GPT workload")):
+        apply_tensor_parallel(torch.nn.Linear(4, 4), _MeshOfSize(2))

@@ -1,0 +1,376 @@
+"""A real two-node Ray cluster (separate `ray start` processes) driven through the Jobs API.
+
+The head and the worker are each started with `ray start --block` in their own process group,
+temp dir and ports, with fake GPUs and a declared topology, and with token authentication on
+and their own token: nothing here touches another Ray cluster on the machine, and teardown
+ends exactly the processes these nodes started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGY = ROOT / "tests/fixtures/topology/topo_4gpu_pcie_pxb_pix_nccl667.txt"
+GPUS_PER_NODE = 4
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ray() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@dataclass
+class Node:
+    """One `ray start --block` process, its temp dir and its ports."""
+
+    proc: subprocess.Popen
+    temp_dir: Path
+    metrics_port: int
+    log: Path
+
+
+@dataclass
+class TwoNodeCluster:
+    dashboard: str
+    gcs: str
+    token: str
+    nodes: list[Node] = field(default_factory=list)
+
+    def node_ids(self) -> dict[str, int]:
+        """Ray node id -> metrics export port, for the alive nodes."""
+        import requests
+
+        r = requests.get(f"{self.dashboard}/nodes?view=summary", headers={"authorization": f"Bearer {self.token}"}, timeout=10)
+        r.raise_for_status()
+        out = {}
+        for n in r.json()["data"]["summary"]:
+            raylet = n.get("raylet", {})
+            if raylet.get("state") == "ALIVE":
+                out[raylet["nodeId"]] = int(raylet.get("metricsExportPort", 0))
+        return out
+
+
+def _start_node(args: list[str], env: dict[str, str], temp_dir: Path, metrics_port: int, name: str) -> Node:
+    log = temp_dir.with_suffix(f".{name}.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [_ray(), "start", "--block", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+             f"--metrics-export-port={metrics_port}", *args],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+        )
+    return Node(proc, temp_dir, metrics_port, log)
+
+
+def _stop_node(node: Node) -> None:
+    """End this node's processes only: its `ray start --block` group, then anything left that
+    runs under its temp dir (workers Ray started in a session of their own)."""
+    import psutil
+
+    if node.proc.poll() is None:
+        node.proc.send_signal(signal.SIGTERM)
+        try:
+            node.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(node.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    marker = str(node.temp_dir)
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if any(marker in arg for arg in p.info["cmdline"] or ()):
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # the service is still coming up
+            last_error = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what} (last error: {last_error})")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    token = secrets.token_hex(32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
+        # Export application metrics every second instead of every ten, so a scrape sees them.
+        RAY_metrics_report_interval_ms="1000",
+        ORCHESTRATOR_TOPOLOGY_FILE=str(TOPOLOGY),
+        PYTHONPATH=str(ROOT),
+    )
+    (gcs_port, dash_port, client_port, head_metrics, worker_metrics,
+     h_agent, h_agent_grpc, h_rtenv, w_agent, w_agent_grpc, w_rtenv) = _free_ports(11)
+    # Short paths: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
+    head_tmp = Path(tempfile.mkdtemp(prefix="orxh-", dir="/tmp"))
+    worker_tmp = Path(tempfile.mkdtemp(prefix="orxw-", dir="/tmp"))
+    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}", '--resources={"accelerator_type:fake": 1}']
+    c = TwoNodeCluster(dashboard=f"http://127.0.0.1:{dash_port}", gcs=f"127.0.0.1:{gcs_port}", token=token)
+    try:
+        c.nodes.append(_start_node(
+            ["--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash_port}", f"--ray-client-server-port={client_port}",
+             f"--dashboard-agent-listen-port={h_agent}", f"--dashboard-agent-grpc-port={h_agent_grpc}",
+             f"--runtime-env-agent-port={h_rtenv}", *gpu_args],
+            env, head_tmp, head_metrics, "head"))
+        _wait(lambda: len(c.node_ids()) == 1, 60, "the head node and its dashboard")
+        c.nodes.append(_start_node(
+            [f"--address={c.gcs}", "--node-ip-address=127.0.0.1",
+             f"--dashboard-agent-listen-port={w_agent}", f"--dashboard-agent-grpc-port={w_agent_grpc}",
+             f"--runtime-env-agent-port={w_rtenv}", *gpu_args],
+            env, worker_tmp, worker_metrics, "worker"))
+        _wait(lambda: len(c.node_ids()) == 2, 60, "the worker node to join")
+        yield c
+    except BaseException:
+        for n in c.nodes:
+            sys.stderr.write(f"--- {n.log}\n{n.log.read_text(errors='replace')[-4000:]}\n")
+        raise
+    finally:
+        for n in reversed(c.nodes):
+            _stop_node(n)
+        for d in (head_tmp, worker_tmp):
+            shutil.rmtree(d, ignore_errors=True)
+            for log in d.parent.glob(d.name + ".*.log"):
+                log.unlink()
+
+
+@pytest.fixture
+def authed(cluster, monkeypatch):
+    """The client side holds the cluster's token the way a user would: RAY_AUTH_TOKEN."""
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", cluster.token)
+    return cluster
+
+
+def _scrape(port: int) -> str:
+    import requests
+
+    return requests.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+
+
+# A job that stands in for one rank: records a step from an actor pinned to the worker node,
+# then stays up until stopped, so the test can scrape the export and stop it.
+METRICS_JOB = textwrap.dedent(
+    """
+    import time, ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    ray.init(address="auto")
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def record(self):
+            from orchestrator.runtime.metrics import TrainMetrics
+            m = TrainMetrics("metricsjob", rank=1)
+            m.record_step({"step": 7, "loss": 2.5, "lr": 1e-3, "step_s": 0.2, "tokens_per_s": 1234.0,
+                           "grad_norm": 0.5, "val_loss": None, "mfu": 0.31})
+            return ray.get_runtime_context().get_node_id()
+
+    a = Rank.options(scheduling_strategy=NodeAffinitySchedulingStrategy(NODE, soft=False)).remote()
+    print("recorded on", ray.get(a.record.remote()), flush=True)
+    while True:
+        time.sleep(1)
+    """
+)
+
+
+def test_unreachable_address_is_one_line_user_error():
+    from orchestrator.remote import RemoteError, job_status
+
+    with pytest.raises(RemoteError, match=r"^cannot reach a Ray dashboard at http://127\.0\.0\.1:\d+") as e:
+        job_status(f"127.0.0.1:{_free_ports(1)[0]}")
+    assert "\n" not in str(e.value)
+
+
+def test_wrong_or_missing_token_is_refused_with_advice(cluster, monkeypatch):
+    from orchestrator.remote import RemoteError, job_status
+
+    home = Path(tempfile.mkdtemp(prefix="orx-home-"))
+    try:
+        # No token anywhere: RAY_AUTH_TOKEN unset and an empty home without ~/.ray/auth_token.
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+        monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+        with pytest.raises(RemoteError, match="requires authentication .*no token is set here.*RAY_AUTH_TOKEN") as e:
+            job_status(cluster.dashboard)
+        assert "\n" not in str(e.value)
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)
+        with pytest.raises(RemoteError, match="refused the token"):
+            job_status(cluster.dashboard)
+        # The token in a file, as `ray get-auth-token` users keep it.
+        token_file = home / "token"
+        token_file.write_text(cluster.token)
+        monkeypatch.delenv("RAY_AUTH_TOKEN")
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token_file))
+        assert isinstance(job_status(cluster.dashboard), list)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_metrics_exported_with_tags_then_stop_ends_job(authed):
+    from orchestrator.remote import client, job_logs, job_status, stop_job
+
+    c = authed
+    worker_node = next(n for n, port in c.node_ids().items() if port == c.nodes[1].metrics_port)
+    code = METRICS_JOB.replace("NODE", repr(worker_node))
+    job_id = client(c.dashboard).submit_job(
+        entrypoint=shlex.join([sys.executable, "-c", code]),
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+    )
+    _wait(lambda: "recorded on" in next(job_logs(c.dashboard, job_id)), 60, "the job to record its metrics")
+    assert job_status(c.dashboard, job_id)[0].status == "RUNNING"
+
+    def loss_line() -> str | None:
+        for line in _scrape(c.nodes[1].metrics_port).splitlines():
+            if line.startswith("ray_orchestrator_loss{") and 'job="metricsjob"' in line:
+                return line
+        return None
+
+    line = _wait(loss_line, 30, "ray_orchestrator_loss on the worker node's metrics endpoint")
+    assert 'rank="1"' in line and f'node="{worker_node}"' in line
+    assert float(line.rsplit(" ", 1)[1]) == pytest.approx(2.5)
+    text = _scrape(c.nodes[1].metrics_port)
+    for name in ("ray_orchestrator_tokens_per_second", "ray_orchestrator_mfu", "ray_orchestrator_memory_bytes",
+                 "ray_orchestrator_step_time_seconds_bucket", "ray_orchestrator_steps_total"):
+        assert re.search(rf'^{name}{{[^}}]*rank="1"', text, re.M), f"{name} missing from the export"
+    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job="metricsjob"', text, re.M), "a None val_loss was exported"
+
+    assert stop_job(c.dashboard, job_id, wait_s=30) == "STOPPED"
+    listed = {j.job_id: j.status for j in job_status(c.dashboard)}
+    assert listed[job_id] == "STOPPED"
+
+
+def test_status_and_logs_of_unknown_job(authed):
+    from orchestrator.remote import RemoteError, job_logs, job_status, stop_job
+
+    for call in (lambda: job_status(authed.dashboard, "nosuchjob"),
+                 lambda: list(job_logs(authed.dashboard, "nosuchjob", follow=True)),
+                 lambda: stop_job(authed.dashboard, "nosuchjob")):
+        with pytest.raises(RemoteError, match="no job 'nosuchjob' on the Ray cluster at"):
+            call()
+
+
+def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
+    """The whole path: ship the project, run `submit` on the head, train on 2 nodes, follow to the end."""
+    from orchestrator.remote import job_logs, job_status, submit_remote
+
+    c = authed
+    monkeypatch.chdir(ROOT)
+    job = ROOT / "jobs" / "llm.yaml"
+    overrides = ["name=remote", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+                 "train.max_steps=5", "train.global_batch_size=8", "train.eval_interval=5", "train.eval_iters=1",
+                 "checkpoint.enabled=false", "monitor.progress=false", "cluster.gpu=A100", f"monitor.runs_dir={tmp_path}"]
+    job_id = submit_remote(c.dashboard, str(job), overrides)
+    assert job_id.startswith("remote-")
+    scraped: dict[int, str] = {}
+    done = threading.Event()
+
+    def scrape_while_running() -> None:
+        # Each rank's metrics live on its own node's endpoint while the run lasts.
+        while not done.is_set():
+            for n in c.nodes:
+                try:
+                    text = _scrape(n.metrics_port)
+                except Exception:  # the agent may restart its exporter; try again
+                    continue
+                if re.search(r'^ray_orchestrator_loss\{[^}]*job="remote"', text, re.M):
+                    scraped[n.metrics_port] = text
+            done.wait(0.5)
+
+    scraper = threading.Thread(target=scrape_while_running, daemon=True)
+    scraper.start()
+    try:
+        seen = list(job_logs(c.dashboard, job_id, follow=True))
+    finally:
+        done.set()
+        scraper.join(timeout=10)
+    info = job_status(c.dashboard, job_id)[0]
+    assert info.status == "SUCCEEDED", "".join(seen)[-3000:]
+    assert info.name == "remote"
+    assert "cluster.address=auto" in info.entrypoint
+    assert len(scraped) == 2, f"orchestrator metrics seen on {len(scraped)} of the 2 nodes' endpoints during the run"
+    ranks, nodes = set(), set()
+    for text in scraped.values():
+        for m in re.finditer(r'^ray_orchestrator_loss\{([^}]*)\}', text, re.M):
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if tags.get("job") == "remote":
+                ranks.add(tags["rank"])
+                nodes.add(tags["node"])
+    assert nodes == set(c.node_ids()), "every node's ranks are tagged with their node"
+    assert ranks and all(r.isdigit() for r in ranks)
+
+
+def test_entrypoint_joins_the_cluster_it_runs_on():
+    from orchestrator.remote import entrypoint
+
+    cmd = entrypoint("jobs/my job.yaml", ["train.max_steps=10", "cluster.address=10.0.0.1:6379", "name=x"])
+    assert shlex.split(cmd) == ["python", "-m", "orchestrator", "submit", "jobs/my job.yaml",
+                                "train.max_steps=10", "name=x", "cluster.address=auto"]
+
+
+def test_shipped_dir_and_job_file_outside_it(tmp_path, monkeypatch):
+    from orchestrator.remote import RemoteError, project_root, shipped_dir, submit_remote
+
+    assert project_root() == ROOT
+    assert shipped_dir(ROOT / "jobs") == ROOT  # anywhere inside the checkout ships the checkout
+    assert shipped_dir(tmp_path) == tmp_path
+    job = tmp_path / "job.yaml"
+    job.write_text("name: outside\n")
+    monkeypatch.chdir(ROOT)
+    # Refused before any network call: the address below does not exist.
+    with pytest.raises(RemoteError, match=f"job file {re.escape(str(job))} is outside {re.escape(str(ROOT))}"):
+        submit_remote("http://127.0.0.1:9", str(job), [])
+
+
+def test_default_address_and_bad_addresses(monkeypatch):
+    from orchestrator.remote import RemoteError, default_address, job_status
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    assert default_address() == "http://head:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address is not a dashboard
+    assert default_address() == "http://127.0.0.1:8265"
+    with pytest.raises(RemoteError, match="not a Ray GCS or ray:// address"):
+        job_status("ray://head:10001")
