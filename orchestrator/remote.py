@@ -79,12 +79,15 @@ def auth_headers() -> dict[str, str]:
     except ImportError:  # a Ray build without the token loader cannot authenticate at all
         return {}
     loader = AuthenticationTokenLoader.instance()
-    # The loader caches the first token it read; the environment may have changed since.
+    # The loader is process-wide and caches the first token it reads: read afresh, and leave
+    # no cached token behind for a later ray.init in this process (its own cluster's token).
     loader.reset_cache()
     try:
         return dict(loader.get_token_for_http_header(ignore_auth_mode=True))
     except Exception as e:  # RAY_AUTH_TOKEN_PATH names an unreadable or empty file
         raise RemoteError(f"Ray authentication token: {str(e).splitlines()[0]}") from e
+    finally:
+        loader.reset_cache()
 
 
 def _auth_advice(address: str, refused: str) -> RemoteError:

@@ -54,7 +54,7 @@ def test_cost_model_prediction_is_the_planners_ring_formula():
 
 def test_cost_model_measures_two_gloo_ranks_and_reports_errors():
     sizes = [4 << 10, 256 << 10]
-    raw = cost_model.measure(2, "gloo", sizes, [4 << 10, 64 << 10, 1 << 20])
+    raw = cost_model.measure(2, "gloo", sizes, [4 << 10, 1 << 20, 8 << 20])
     res = cost_model.compare(raw, 2, "gloo", sizes)
     assert len(res["rows"]) == len(cost_model.OPS) * len(sizes)
     for r in res["rows"]:

@@ -257,12 +257,15 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
     rows = []
     for it in items:
         kind = it.pop("kind")
+        if kind == "end":
+            continue
         if kind == "eval":
             state.val.append((it["step"], it["val_loss"]))
         elif kind == "checkpoint":
             state.checkpoints.append(it["path"])
         elif kind == "step":
-            row = {k: it.get(k) for k in ("step", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu", "val_loss")}
+            row = {k: it.get(k) for k in ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu",
+                                          "val_loss")}
             state.rows.append(row)
             if row["val_loss"] is not None:
                 state.val.append((row["step"], row["val_loss"]))

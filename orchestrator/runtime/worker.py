@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -139,7 +140,7 @@ class Worker:
             final = done == cfg.train.max_steps
             if done % cfg.train.eval_interval == 0 or final:
                 res.val_loss = last_val = tr.evaluate()
-            row = {**asdict(res), "step": done}
+            row = {**asdict(res), "step": done, "time": time.time()}
             if self.peak_flops:
                 row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
             self.metrics.record_step(row)
@@ -154,6 +155,10 @@ class Worker:
                 )
                 if self.rank == 0:
                     sink.put.remote({"kind": "checkpoint", "step": done, "path": str(path)})
+        if self.rank == 0:
+            # Calls from one caller run in order: once this returns, the sink holds every item
+            # above, so the driver's last drain after this method returns misses nothing.
+            ray.get(sink.put.remote({"kind": "end"}))
         return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes()}
 
     def shutdown(self) -> None:

@@ -8,6 +8,7 @@ and IP.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..errors import TopologyError, UserError
@@ -17,6 +18,8 @@ PROBE_TIMEOUT_S = 120.0
 # NIC-to-GPU paths that put a NIC on the GPU's side of the host (GPUDirect RDMA distance).
 _CLOSE_PATHS = ("pix", "pxb", "phb")
 _RDMA_KINDS = ("infiniband", "roce", "efa")
+
+log = logging.getLogger(__name__)
 
 
 def _probe_on_node(num_cpu_slots: int) -> dict[str, Any]:
@@ -95,11 +98,20 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopol
             if isinstance(cause, UserError):
                 raise type(cause)(f"{where}: {cause}") from None
             raise
+        except ray.exceptions.RayError:
+            # A node that died between listing and probing (the failure a re-probe follows)
+            # is simply not part of the cluster any more.
+            if any(m["NodeID"] == node_id and m.get("Alive") for m in ray.nodes()):
+                raise
+            log.warning("%s died during the topology probe; leaving it out", where)
+            continue
         node = NodeTopology.from_dict(result)
         node.node_id = node_id
         node.hostname = node.hostname or n.get("NodeManagerHostname", "")
         nodes.append(node)
 
+    if not nodes:
+        raise TopologyError("every node of the Ray cluster died during the topology probe")
     cluster = ClusterTopology(nodes=nodes, network=network_from_nodes(nodes))
     if measure:
         from .measure import measure_cluster

@@ -1,0 +1,250 @@
+"""Communication cost model: the planner's predicted collective times against measured ones.
+
+    python benchmarks/cost_model.py [--quick] [--world N] [--backend auto|gloo|nccl]
+
+Among N processes of this machine (gloo on CPU; NCCL, one GPU each, where there are N GPUs)
+the measured probe's ping-pong is fitted to alpha-beta (`orchestrator.topology.measure`), the
+fitted link goes into the planner's own cost functions (`orchestrator.planning.comm`, with the
+per-step gloo overhead `orchestrator.planning.cost` adds on CPU), and their predictions of
+all-reduce, reduce-scatter and all-gather from 4 KiB to 256 MiB (16 MiB with --quick) are set
+against the times of the same collectives. Goal: mean relative error under 15%.
+Writes benchmarks/results/cost_model.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import parse_args, print_table, rel_error, write_result
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+KIB, MIB = 1 << 10, 1 << 20
+FULL_SIZES = tuple(4 * KIB * 4**k for k in range(9))  # 4 KiB .. 256 MiB
+QUICK_SIZES = tuple(s for s in FULL_SIZES if s <= 16 * MIB)
+GOAL_MEAN_ERROR = 0.15
+# Enough repetitions that the median is stable, without spending seconds per large message.
+_BYTES_PER_SIZE = 512 * MIB
+_MIN_ITERS, _MAX_ITERS, _WARMUP = 3, 30, 2
+
+
+def iterations(nbytes: int) -> int:
+    """Timed repetitions of one collective of `nbytes`: more for small (noisy) messages."""
+    return max(_MIN_ITERS, min(_MAX_ITERS, _BYTES_PER_SIZE // max(nbytes, 1)))
+
+
+def predict(op: str, nbytes: int, world: int, latency_us: float, bandwidth_gbps: float, backend: str) -> float:
+    """The planner's time of `op` on an n-byte buffer over `world` ranks of one node whose
+    links are the fitted (latency, bandwidth): what `planning.cost.group_links` builds for
+    the group, priced by `planning.comm`."""
+    from orchestrator.planning.comm import GroupLinks, group_all_gather, group_all_reduce, group_reduce_scatter
+    from orchestrator.planning.cost import GLOO_STEP_US
+
+    extra = GLOO_STEP_US if backend == "gloo" else 0.0
+    links = GroupLinks(size=world, per_node=world, intra_gbps=bandwidth_gbps, intra_lat_us=latency_us + extra,
+                       inter_gbps=math.inf, inter_lat_us=0.0)
+    if op == "all_reduce":
+        return group_all_reduce(nbytes, links)[0]
+    if op == "reduce_scatter":
+        return group_reduce_scatter(nbytes, links)
+    if op == "all_gather":
+        return group_all_gather(nbytes, links)
+    raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+
+
+def _time_collective(op: str, nbytes: int, world: int, device, sync) -> float:
+    """Median seconds of one collective; `nbytes` is the full buffer (all-reduce's buffer,
+    reduce-scatter's input, all-gather's output), as the cost model counts it."""
+    import torch
+    import torch.distributed as dist
+
+    n = nbytes // 4
+    n -= n % world
+    full = torch.ones(n, dtype=torch.float32, device=device)
+    part = torch.ones(n // world, dtype=torch.float32, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    times = []
+    for it in range(_WARMUP + iterations(nbytes)):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        if op == "all_reduce":
+            dist.all_reduce(full)
+        elif op == "reduce_scatter":
+            scatter(part, full)
+        else:
+            gather(full, part)
+        sync()
+        if it >= _WARMUP:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, port: int, backend: str, sizes: list[int], probe_sizes: list[int], out: str) -> None:
+    """One process: the measured probe's ping-pong between ranks 0 and 1, then every collective."""
+    import torch
+    import torch.distributed as dist
+
+    from orchestrator.topology.measure import BenchWorker, fit_alpha_beta
+
+    use_gpu = backend == "nccl"
+    worker = BenchWorker(use_gpu)
+    visible = ",".join(str(i) for i in range(world)) if use_gpu else None
+    worker.setup(rank, world, f"127.0.0.1:{port}", visible, str(rank) if use_gpu else None)
+    sync = (lambda: torch.cuda.synchronize(worker.device)) if use_gpu else (lambda: None)
+    if rank < 2:
+        # The first exchanges pay for lazily set-up buffers and threads; the probe's own two
+        # warm-up rounds per size do not cover that, so one whole pass is thrown away.
+        worker.pingpong(1 - rank, rank == 0, probe_sizes)
+        pingpong = worker.pingpong(1 - rank, rank == 0, probe_sizes)
+    dist.barrier()
+    for op in OPS:
+        _time_collective(op, max(sizes), world, worker.device, sync)
+    measured = {op: [_time_collective(op, s, world, worker.device, sync) for s in sizes] for op in OPS}
+    # A collective ends when its slowest rank does.
+    flat = torch.tensor([t for op in OPS for t in measured[op]], dtype=torch.float64, device=worker.device)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        try:
+            fit = fit_alpha_beta(probe_sizes, pingpong)
+        except ValueError as e:
+            Path(out).write_text(json.dumps({"error": str(e), "probe": {"sizes": probe_sizes, "seconds": pingpong}}))
+            worker.close()
+            return
+        values = flat.tolist()
+        slowest = {op: values[i * len(sizes):(i + 1) * len(sizes)] for i, op in enumerate(OPS)}
+        Path(out).write_text(json.dumps({
+            "probe": {"sizes": probe_sizes, "seconds": pingpong,
+                      "latency_us": fit.latency_us, "bandwidth_gbps": fit.bandwidth_gbps},
+            "measured": slowest,
+        }))
+    worker.close()
+
+
+def measure(world: int, backend: str, sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
+    """Run `world` processes; returns the probe's fit and the measured seconds per op and size."""
+    import torch.multiprocessing as mp
+
+    from _common import free_port
+
+    if world < 2:
+        raise ValueError(f"collectives need at least 2 ranks, got --world {world}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "cost.json")
+        mp.spawn(_rank, args=(world, free_port(), backend, list(sizes), list(probe_sizes), out), nprocs=world)
+        raw = json.loads(Path(out).read_text())
+    if "error" in raw:
+        raise RuntimeError(f"the measured probe's ping-pong ({raw['probe']['seconds']} s for "
+                           f"{raw['probe']['sizes']} bytes) cannot be fitted: {raw['error']}; "
+                           f"the machine is too busy to calibrate on, run again when it is quieter")
+    return raw
+
+
+def _rows(raw: dict[str, Any], world: int, backend: str, sizes: list[int], lat: float, bw: float) -> list[dict]:
+    rows = []
+    for op in OPS:
+        for size, meas in zip(sizes, raw["measured"][op]):
+            pred = predict(op, size, world, lat, bw, backend)
+            rows.append({"op": op, "bytes": size, "measured_s": meas, "predicted_s": pred,
+                         "error": rel_error(pred, meas)})
+    return rows
+
+
+def _errors(rows: list[dict]) -> dict[str, Any]:
+    errors = [r["error"] for r in rows]
+    per_op = {op: {"mean_error": statistics.fmean(r["error"] for r in rows if r["op"] == op),
+                   "max_error": max(r["error"] for r in rows if r["op"] == op)} for op in OPS}
+    return {"mean_error": statistics.fmean(errors), "max_error": max(errors), "per_op": per_op}
+
+
+def allreduce_calibration(raw: dict[str, Any], world: int, backend: str, sizes: list[int]) -> tuple[float, float]:
+    """(per-hop latency us, bandwidth GB/s) fitted to the measured all-reduce series, as the
+    measured probe fits the network between nodes: the link the planner would need to be
+    right about all-reduce, which then tests its reduce-scatter and all-gather out of sample."""
+    from orchestrator.planning.comm import LAUNCH_S, bus_factor
+    from orchestrator.planning.cost import GLOO_STEP_US
+    from orchestrator.topology.measure import fit_alpha_beta
+
+    moved = [s * bus_factor("all_reduce", world) for s in sizes]
+    fit = fit_alpha_beta(moved, raw["measured"]["all_reduce"])
+    hops = 2 * (world - 1)
+    extra = GLOO_STEP_US if backend == "gloo" else 0.0
+    per_hop = max(0.0, (fit.latency_us * 1e-6 - LAUNCH_S) / hops * 1e6 - extra)
+    return per_hop, fit.bandwidth_gbps
+
+
+def compare(raw: dict[str, Any], world: int, backend: str, sizes: list[int]) -> dict[str, Any]:
+    """Predicted beside measured for every (op, size), with the mean and max relative errors,
+    once with the measured probe's ping-pong calibration (what the planner uses) and once with
+    a calibration fitted to the all-reduce series (which separates the model's shape from the
+    probe's calibration)."""
+    lat, bw = raw["probe"]["latency_us"], raw["probe"]["bandwidth_gbps"]
+    rows = _rows(raw, world, backend, sizes, lat, bw)
+    summary = _errors(rows)
+    ar_lat, ar_bw = allreduce_calibration(raw, world, backend, sizes)
+    ar_rows = _rows(raw, world, backend, sizes, ar_lat, ar_bw)
+    return {
+        "world": world, "backend": backend,
+        "calibration": {"latency_us": lat, "bandwidth_gbps": bw, "probe_sizes": raw["probe"]["sizes"],
+                        "probe_seconds": raw["probe"]["seconds"]},
+        "rows": rows, **summary,
+        "goal": {"mean_error_below": GOAL_MEAN_ERROR, "met": summary["mean_error"] < GOAL_MEAN_ERROR},
+        "allreduce_calibrated": {"latency_us": ar_lat, "bandwidth_gbps": ar_bw, "rows": ar_rows, **_errors(ar_rows)},
+    }
+
+
+def _size(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    def extra(ap):
+        ap.add_argument("--world", type=int, default=2, help="processes (ranks) to run the collectives among")
+        ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="auto: NCCL when there is a GPU per rank, else gloo")
+
+    args = parse_args(__doc__, argv, extra)
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
+    sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
+    from orchestrator.topology.measure import FULL_SIZES as PROBE_FULL, QUICK_SIZES as PROBE_QUICK
+
+    probe_sizes = list(PROBE_QUICK if args.quick else PROBE_FULL)
+    t0 = time.perf_counter()
+    result = compare(measure(args.world, backend, sizes, probe_sizes), args.world, backend, sizes)
+    result["seconds"] = time.perf_counter() - t0
+    cal = result["calibration"]
+    print_table(
+        f"collectives among {args.world} {backend} ranks: planner's prediction vs measured",
+        ["op", "size", "measured ms", "predicted ms", "error %"],
+        [[r["op"], _size(r["bytes"]), r["measured_s"] * 1e3, r["predicted_s"] * 1e3, r["error"] * 100]
+         for r in result["rows"]],
+        caption=f"calibration (measured probe's ping-pong fit): {cal['latency_us']:.1f} us, "
+                f"{cal['bandwidth_gbps']:.2f} GB/s; mean error {result['mean_error']:.1%}, "
+                f"max {result['max_error']:.1%} (goal: mean < {GOAL_MEAN_ERROR:.0%})",
+    )
+    ar = result["allreduce_calibrated"]
+    print_table(
+        "the same, calibrated on the all-reduce series instead (all_reduce rows are in sample)",
+        ["op", "mean error %", "max error %", "mean error % (probe calibration)"],
+        [[op, ar["per_op"][op]["mean_error"] * 100, ar["per_op"][op]["max_error"] * 100,
+          result["per_op"][op]["mean_error"] * 100] for op in OPS],
+        caption=f"all-reduce fit: {ar['latency_us']:.1f} us per hop, {ar['bandwidth_gbps']:.2f} GB/s; "
+                f"mean error {ar['mean_error']:.1%}",
+    )
+    out = write_result("cost_model", result, args)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
