@@ -4,8 +4,8 @@
 
 Among N processes of this machine (gloo on CPU; NCCL, one GPU each, where there are N GPUs)
 the measured probe's ping-pong is fitted to alpha-beta (`orchestrator.topology.measure`), the
-fitted link goes into the planner's own cost functions (`orchestrator.planning.comm`, with the
-per-step gloo overhead `orchestrator.planning.cost` adds on CPU), and their predictions of
+fitted link goes into the planner's own cost functions (`orchestrator.planning.comm`: gloo's
+own algorithms on CPU, NCCL's ring and tree on GPUs), and their predictions of
 all-reduce, reduce-scatter and all-gather from 4 KiB to 256 MiB (16 MiB with --quick) are set
 against the times of the same collectives. Goal: mean relative error under 15%.
 Writes benchmarks/results/cost_model.json.
@@ -31,6 +31,9 @@ GOAL_MEAN_ERROR = 0.15
 # Enough repetitions that the median is stable, without spending seconds per large message.
 _BYTES_PER_SIZE = 512 * MIB
 _MIN_ITERS, _MAX_ITERS, _WARMUP = 3, 30, 2
+# Passes of the probe's ping-pong after the discarded first one. Other processes on a shared
+# host only ever add time to a round trip, so the fastest pass per size is the link's own.
+PROBE_PASSES = 3
 
 
 def iterations(nbytes: int) -> int:
@@ -41,13 +44,13 @@ def iterations(nbytes: int) -> int:
 def predict(op: str, nbytes: int, world: int, latency_us: float, bandwidth_gbps: float, backend: str) -> float:
     """The planner's time of `op` on an n-byte buffer over `world` ranks of one node whose
     links are the fitted (latency, bandwidth): what `planning.cost.group_links` builds for
-    the group, priced by `planning.comm`."""
+    the group (gloo with a CPU slot's memory bandwidth, or NCCL), priced by `planning.comm`."""
     from orchestrator.planning.comm import GroupLinks, group_all_gather, group_all_reduce, group_reduce_scatter
-    from orchestrator.planning.cost import GLOO_STEP_US
+    from orchestrator.planning.gpus import CPU_SLOT
 
-    extra = GLOO_STEP_US if backend == "gloo" else 0.0
-    links = GroupLinks(size=world, per_node=world, intra_gbps=bandwidth_gbps, intra_lat_us=latency_us + extra,
-                       inter_gbps=math.inf, inter_lat_us=0.0)
+    links = GroupLinks(size=world, per_node=world, intra_gbps=bandwidth_gbps, intra_lat_us=latency_us,
+                       inter_gbps=math.inf, inter_lat_us=0.0,
+                       gloo_mem_gbps=CPU_SLOT.mem_gbps if backend == "gloo" else None)
     if op == "all_reduce":
         return group_all_reduce(nbytes, links)[0]
     if op == "reduce_scatter":
@@ -102,7 +105,8 @@ def _rank(rank: int, world: int, port: int, backend: str, sizes: list[int], prob
         # The first exchanges pay for lazily set-up buffers and threads; the probe's own two
         # warm-up rounds per size do not cover that, so one whole pass is thrown away.
         worker.pingpong(1 - rank, rank == 0, probe_sizes)
-        pingpong = worker.pingpong(1 - rank, rank == 0, probe_sizes)
+        passes = [worker.pingpong(1 - rank, rank == 0, probe_sizes) for _ in range(PROBE_PASSES)]
+        pingpong = [min(times) for times in zip(*passes)]
     dist.barrier()
     for op in OPS:
         _time_collective(op, max(sizes), world, worker.device, sync)
@@ -167,16 +171,16 @@ def allreduce_calibration(raw: dict[str, Any], world: int, backend: str, sizes: 
     """(per-hop latency us, bandwidth GB/s) fitted to the measured all-reduce series, as the
     measured probe fits the network between nodes: the link the planner would need to be
     right about all-reduce, which then tests its reduce-scatter and all-gather out of sample."""
-    from orchestrator.planning.comm import LAUNCH_S, bus_factor
-    from orchestrator.planning.cost import GLOO_STEP_US
+    from orchestrator.planning.comm import GLOO_RING_SLOWDOWN, GLOO_STEP_US, LAUNCH_S, bus_factor
     from orchestrator.topology.measure import fit_alpha_beta
 
     moved = [s * bus_factor("all_reduce", world) for s in sizes]
     fit = fit_alpha_beta(moved, raw["measured"]["all_reduce"])
     hops = 2 * (world - 1)
-    extra = GLOO_STEP_US if backend == "gloo" else 0.0
-    per_hop = max(0.0, (fit.latency_us * 1e-6 - LAUNCH_S) / hops * 1e6 - extra)
-    return per_hop, fit.bandwidth_gbps
+    gloo = backend == "gloo"
+    per_hop = max(0.0, (fit.latency_us * 1e-6 - LAUNCH_S) / hops * 1e6 - (GLOO_STEP_US if gloo else 0.0))
+    # gloo's ring moves bytes at 1/GLOO_RING_SLOWDOWN of the link the planner is given.
+    return per_hop, fit.bandwidth_gbps * (GLOO_RING_SLOWDOWN if gloo else 1.0)
 
 
 def compare(raw: dict[str, Any], world: int, backend: str, sizes: list[int]) -> dict[str, Any]:

@@ -18,7 +18,6 @@ Writes benchmarks/results/placement_gain.json.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -94,29 +93,10 @@ def clusters(quick: bool) -> list[dict[str, Any]]:
 
 def identity_layout(wirings, mesh: tuple[int, int, int]):
     """The layout Ray's default order gives: local rank j on GPU j of every node, with the
-    in-node rings each axis then crosses (measured the way `planning.layout` measures them)."""
-    from orchestrator.planning.layout import AXES, ClusterLayout, NodeLayout, RingStats, _ring, in_node_shape
+    in-node rings each axis then crosses, measured as the planner measures its own."""
+    from orchestrator.planning.layout import cluster_layout
 
-    g = wirings.devices_per_node
-    shape_in = in_node_shape(mesh, g)
-    spans = tuple(full > inside for full, inside in zip(mesh, shape_in))
-    rep_in, shard_in, tp_in = shape_in
-    layouts = []
-    for w in wirings.unique:
-        table, order = w.table(), w.devices
-        rings = {}
-        for axis, stride, size, span in (("tp", 1, tp_in, spans[2]), ("dp_shard", tp_in, shard_in, spans[1]),
-                                         ("dp_replicate", tp_in * shard_in, rep_in, spans[0])):
-            worst, lat = math.inf, 0.0
-            for base in range(0, len(order), stride * size):
-                for off in range(stride):
-                    bw, l, _ = _ring([order[base + off + i * stride] for i in range(size)], not span, table)
-                    worst, lat = min(worst, bw), max(lat, l)
-            rings[axis] = RingStats(worst, lat)
-        layouts.append(NodeLayout(order=tuple(order), rings=rings, uniform=w.uniform))
-    rings = {a: RingStats(min(l.rings[a].gbps for l in layouts), max(l.rings[a].lat_us for l in layouts))
-             for a in ("tp", "dp_shard", "dp_replicate")}
-    return ClusterLayout(mesh, shape_in, tuple(layouts), wirings.node_index, rings, dict(zip(AXES, shape_in)))
+    return cluster_layout(wirings, mesh, topology_aware=False)
 
 
 def _choice(plan: dict[str, Any]):
@@ -135,12 +115,11 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
     from orchestrator.planning import plan_job
     from orchestrator.planning.cost import estimate
     from orchestrator.planning.layout import Wirings
-    from orchestrator.planning.model_math import ModelShape
-    from orchestrator.planning.plan import _context
+    from orchestrator.planning.plan import job_context
 
     overrides = [*model, GLOBAL_BATCH, f"cluster.gpu={gpu}"]
     cfg = load_config(None, overrides)
-    ctx, _ = _context(cfg, topo, ModelShape.from_config(cfg.model))
+    ctx = job_context(cfg, topo)
     wirings = Wirings.of(topo)
     aware = plan_job(cfg, topo).to_dict()
     out: dict[str, Any] = {

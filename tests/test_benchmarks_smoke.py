@@ -38,13 +38,18 @@ def test_steady_mean_skips_the_warm_up_steps():
         _common.steady_mean([])
 
 
-def test_cost_model_prediction_is_the_planners_ring_formula():
-    from orchestrator.planning.comm import LAUNCH_S
-    from orchestrator.planning.cost import GLOO_STEP_US
+def test_cost_model_prediction_is_the_planners_own_formula():
+    from orchestrator.planning.comm import (GLOO_LAUNCH_US, GLOO_RING_SLOWDOWN, GLOO_STEP_US, LAUNCH_S,
+                                            gloo_all_gather, gloo_reduce_scatter)
+    from orchestrator.planning.gpus import CPU_SLOT
 
     n, p, lat, bw = 64 << 20, 4, 20.0, 5.0
-    ring = LAUNCH_S + 2 * (p - 1) * (lat + GLOO_STEP_US) * 1e-6 + 2 * (p - 1) / p * n / (bw * 1e9)
+    mem = CPU_SLOT.mem_gbps
+    ring = (GLOO_LAUNCH_US + 2 * (p - 1) * (lat + GLOO_STEP_US)) * 1e-6 \
+        + 2 * (p - 1) / p * n * GLOO_RING_SLOWDOWN / (bw * 1e9) + 2 * (p - 1) / p * n / (mem * 1e9)
     assert cost_model.predict("all_reduce", n, p, lat, bw, "gloo") == pytest.approx(ring)
+    assert cost_model.predict("reduce_scatter", n, p, lat, bw, "gloo") == pytest.approx(gloo_reduce_scatter(n, p, bw, lat, mem))
+    assert cost_model.predict("all_gather", n, p, lat, bw, "gloo") == pytest.approx(gloo_all_gather(n, p, bw, lat, mem))
     half = LAUNCH_S + (p - 1) * lat * 1e-6 + (p - 1) / p * n / (bw * 1e9)
     assert cost_model.predict("reduce_scatter", n, p, lat, bw, "nccl") == pytest.approx(half)
     assert cost_model.predict("all_gather", n, p, lat, bw, "nccl") == pytest.approx(half)

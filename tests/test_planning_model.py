@@ -110,3 +110,48 @@ def test_bucket_and_powersgd():
     assert 1.0 <= auto_bucket_mb(1e6, 2, 10.0, 2.0) <= 256.0
     shape = ModelShape(layers=12, hidden=768, heads=12, vocab=50304, seq=1024)
     assert 0 < powersgd_ratio(shape) < 0.05
+
+
+def test_runtime_zero2_keeps_a_weight_shard_at_rest_and_the_gathered_weights_as_buffers():
+    from orchestrator.planning.memory import runtime_states
+    from orchestrator.planning.model_math import param_count
+
+    shape = ModelShape(layers=12, hidden=768, heads=12, vocab=50304, seq=1024)
+    lay, n = byte_layout("fp32"), 8
+    psi = param_count(shape)
+    z2, z3 = runtime_states("zero2", shape, 1, n, lay), runtime_states("zero3", shape, 1, n, lay)
+    # At rest FSDP2 holds shards only, under zero2 as under zero3.
+    assert (z2.params, z2.grads, z2.optimizer) == pytest.approx((4 * psi / n, 4 * psi / n, 8 * psi / n))
+    assert (z3.params, z3.grads, z3.optimizer) == pytest.approx((z2.params, z2.grads, z2.optimizer))
+    # zero2 holds every unit gathered between forward and backward; zero3 the root and two blocks.
+    assert z2.gathered == pytest.approx(4 * psi)
+    assert z3.gathered == pytest.approx(4 * (psi - 10 * (psi - (50304 + 1024) * 768 - 2 * 768) / 12))
+    m2 = rank_memory("zero2", shape, 1, n, 1, "none", lay, 0, on_gpu=False)
+    assert m2.params == round(4 * psi / n) and m2.buffers >= round(4 * psi)
+    # The ZeRO paper's ZeRO-2 (DeepSpeed) keeps the full 16-bit weights at rest instead.
+    w, _, _ = model_states("zero2", psi, n, lay)
+    assert w == 4 * psi
+
+
+def test_tensor_parallelism_replicates_the_vocabulary_embedding_as_the_runtime_does():
+    from orchestrator.planning.memory import params_per_tp_rank
+    from orchestrator.planning.model_math import param_count, tp_param_split
+
+    shape = ModelShape(layers=2, hidden=128, heads=4, vocab=50304, seq=64)
+    sharded, replicated = tp_param_split(shape)
+    assert sharded == 2 * (12 * 128 * 128 + 7 * 128)
+    assert replicated == param_count(shape) - sharded and replicated > 50304 * 128
+    assert params_per_tp_rank(shape, 2) == pytest.approx(sharded / 2 + replicated)
+
+
+def test_gloo_collectives_follow_torch_process_group_gloo():
+    from orchestrator.planning.comm import gloo_all_gather, gloo_all_reduce, gloo_reduce_scatter
+
+    n, bw, lat, mem = 16e6, 3.0, 50.0, 20.0
+    ar = gloo_all_reduce(n, 2, bw, lat, mem)
+    # reduce_scatter_tensor is a clone plus a whole all-reduce: never cheaper than the all-reduce.
+    assert gloo_reduce_scatter(n, 2, bw, lat, mem) > ar
+    assert gloo_all_gather(n, 2, bw, lat, mem) > 0
+    # The CPU's reduction is part of the cost: slower memory, slower all-reduce.
+    assert gloo_all_reduce(n, 2, bw, lat, 5.0) > ar
+    assert gloo_all_reduce(n, 1, bw, lat, mem) == 0.0 == gloo_all_gather(0, 4, bw, lat, mem)

@@ -203,3 +203,28 @@ def test_submit_cli_end_to_end(tmp_path):
     assert "run directory:" in proc.stdout
     (run_dir,) = tmp_path.glob("llm-*")
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+
+
+_PIN = r"""
+import os, sys
+from orchestrator.runtime.worker import _bind_cpus
+before = sorted(os.sched_getaffinity(0))
+notes = _bind_cpus(sys.argv[1], 3)
+print(before, sorted(os.sched_getaffinity(0)), notes)
+"""
+
+
+def test_worker_pins_to_the_cpus_near_its_gpu_and_never_widens(tmp_path):
+    from orchestrator.topology.model import parse_cpu_list
+
+    assert parse_cpu_list("0-2,8,10-11") == {0, 1, 2, 8, 10, 11}
+    with pytest.raises(ValueError):
+        parse_cpu_list("5-3")
+    first = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", _PIN, f"{first},100000-100003"], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == f"{sorted(os.sched_getaffinity(0))} {[first]} []"
+    out = subprocess.run([sys.executable, "-c", _PIN, "100000-100003"], capture_output=True, text=True,
+                         check=True).stdout
+    before = sorted(os.sched_getaffinity(0))
+    assert out.startswith(f"{before} {before} ['rank 3: none of the CPUs near its GPU (100000-100003)")

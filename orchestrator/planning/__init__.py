@@ -3,6 +3,6 @@ of the probed topology. Pure Python: no Ray, no torch."""
 
 from __future__ import annotations
 
-from .plan import Plan, StepTime, plan_job
+from .plan import Plan, StepTime, job_context, plan_job
 
-__all__ = ["Plan", "StepTime", "plan_job"]
+__all__ = ["Plan", "StepTime", "job_context", "plan_job"]

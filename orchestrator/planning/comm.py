@@ -4,6 +4,17 @@ Times in seconds for n bytes over p ranks with per-hop latency alpha and link ba
 The bandwidth terms are nccl-tests' bus-bandwidth factors: an all-reduce moves 2(p-1)/p of
 the buffer over the slowest link of its ring, a reduce-scatter or all-gather (p-1)/p. A tree
 all-reduce (NCCL's double binary tree) pays 2 log2(p) hops of latency instead of 2(p-1).
+
+gloo on CPU is priced as torch's ProcessGroupGloo runs it, not as NCCL: all-reduce is gloo's
+ring (reduce-scatter then all-gather in pipelined segments), with the reduction done by the
+CPU; `reduce_scatter_tensor` is a clone of the input, a full all-reduce of it and a copy of
+the rank's chunk (ProcessGroupGloo::reduce_scatter_tensor_coalesced); `all_gather_into_tensor`
+is gloo's ring all-gather into a fresh flat buffer (two whole half-chunks per step, not
+pipelined segments) followed by a copy into the output. Every rank of a ring sends and
+receives at once, and over TCP on one host both directions' copies run on the same cores,
+so a ring step moves bytes at a fraction of the ping-pong bandwidth the probe measures
+(one direction at a time): `GLOO_RING_SLOWDOWN` for the pipelined all-reduce ring,
+`GLOO_CHUNK_SLOWDOWN` for all-gather's whole chunks.
 """
 
 from __future__ import annotations
@@ -13,6 +24,19 @@ from dataclasses import dataclass
 
 # Fixed cost of launching one collective (kernel launch, proxy hand-off).
 LAUNCH_S = 8e-6
+# gloo's cost per ring step between processes (a round of its own threads over TCP or shared
+# memory), far above the link's own latency; NCCL's is in the link figures.
+GLOO_STEP_US = 25.0
+# A collective (unlike the probe's send/recv) is queued to ProcessGroupGloo's worker thread and
+# waited for: two thread hand-offs, which dominate small messages on a busy host.
+GLOO_LAUNCH_US = 150.0
+# Time a gloo ring step takes per byte over the ping-pong's time per byte (see the module
+# docstring); fitted to 2 gloo ranks on a 2-core host, 4 KiB to 16 MiB (benchmarks/cost_model.py).
+GLOO_RING_SLOWDOWN = 2.0
+GLOO_CHUNK_SLOWDOWN = 2.8
+# Memory passes of reduce-scatter's clone into a fresh buffer: every page of it is faulted in
+# and zeroed by the kernel before the copy writes it.
+GLOO_FRESH_BUFFER_PASSES = 3
 
 
 def bus_factor(op: str, p: int) -> float:
@@ -56,6 +80,44 @@ def all_reduce(nbytes: float, p: int, bw_gbps: float, lat_us: float) -> tuple[fl
     return (tree, "tree") if tree < ring else (ring, "ring")
 
 
+def _memory_s(nbytes: float, mem_gbps: float, passes: float = 2) -> float:
+    """A copy or an in-place reduction of n bytes on the host: each byte read and written once."""
+    return passes * nbytes / (mem_gbps * 1e9)
+
+
+def gloo_all_reduce(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float) -> float:
+    """gloo's ring all-reduce on CPU: 2(p-1) steps of gloo's latency, 2(p-1)/p n at the ring's
+    share of the bandwidth, and the CPU's sum of (p-1)/p n bytes into the buffer."""
+    _check(nbytes, bw_gbps)
+    if p == 1 or nbytes == 0:
+        return 0.0
+    steps = 2 * (p - 1)
+    wire = bus_factor("all_reduce", p) * nbytes * GLOO_RING_SLOWDOWN / (bw_gbps * 1e9)
+    return GLOO_LAUNCH_US * 1e-6 + steps * (lat_us + GLOO_STEP_US) * 1e-6 + wire + \
+        _memory_s((p - 1) / p * nbytes, mem_gbps)
+
+
+def gloo_reduce_scatter(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float) -> float:
+    """torch's gloo reduce-scatter of an n-byte input: clone it, all-reduce all n bytes, copy
+    out the rank's n/p."""
+    if p == 1 or nbytes == 0:
+        return 0.0
+    clone = _memory_s(nbytes, mem_gbps, 2 * GLOO_FRESH_BUFFER_PASSES)
+    return clone + gloo_all_reduce(nbytes, p, bw_gbps, lat_us, mem_gbps) + \
+        _memory_s(nbytes / p, mem_gbps)
+
+
+def gloo_all_gather(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float) -> float:
+    """gloo's ring all-gather into an n-byte buffer: the rank's own n/p copied in, p-1 steps of
+    two half-chunks each, then the flat buffer copied to the output."""
+    _check(nbytes, bw_gbps)
+    if p == 1 or nbytes == 0:
+        return 0.0
+    wire = bus_factor("all_gather", p) * nbytes * GLOO_CHUNK_SLOWDOWN / (bw_gbps * 1e9)
+    return GLOO_LAUNCH_US * 1e-6 + 2 * (p - 1) * (lat_us + GLOO_STEP_US) * 1e-6 + wire + \
+        _memory_s(nbytes / p + nbytes, mem_gbps)
+
+
 def reduce_scatter(nbytes: float, p: int, bw_gbps: float, lat_us: float) -> float:
     """Ring reduce-scatter of an n-byte buffer: p-1 steps, (p-1)/p n / B."""
     _check(nbytes, bw_gbps)
@@ -85,6 +147,9 @@ class GroupLinks:
     """The group's share of the network between nodes (inf when it stays in one node)."""
     inter_lat_us: float
     """One-way latency between nodes."""
+    gloo_mem_gbps: float | None = None
+    """None: NCCL on GPUs. Otherwise the group runs gloo on CPU (`gloo_*` costs), and this is
+    the host's memory bandwidth for gloo's copies and reductions, GB/s."""
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.per_node < 1 or self.size % self.per_node:
@@ -116,6 +181,9 @@ def group_all_reduce(nbytes: float, g: GroupLinks, algorithm: str = "auto") -> t
         raise ValueError(f"algorithm must be auto, flat or hierarchical, got {algorithm!r}")
     if g.size == 1 or nbytes == 0:
         return 0.0, "flat"
+    if g.gloo_mem_gbps is not None:
+        # gloo has one all-reduce, a flat ring through every member.
+        return gloo_all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps), "flat gloo ring"
     flat, kind = all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
     if g.nodes == 1 or g.per_node == 1 or algorithm == "flat":
         return flat, f"flat {kind}"
@@ -130,9 +198,17 @@ def group_all_reduce(nbytes: float, g: GroupLinks, algorithm: str = "auto") -> t
 
 def group_reduce_scatter(nbytes: float, g: GroupLinks) -> float:
     """Reduce-scatter of an n-byte buffer over the group's ring."""
-    return reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us) if g.size > 1 else 0.0
+    if g.size == 1:
+        return 0.0
+    if g.gloo_mem_gbps is not None:
+        return gloo_reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps)
+    return reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
 
 
 def group_all_gather(nbytes: float, g: GroupLinks) -> float:
     """All-gather into an n-byte buffer over the group's ring."""
-    return all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us) if g.size > 1 else 0.0
+    if g.size == 1:
+        return 0.0
+    if g.gloo_mem_gbps is not None:
+        return gloo_all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps)
+    return all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us)

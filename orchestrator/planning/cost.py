@@ -5,17 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .comm import GroupLinks, all_reduce, group_all_gather, group_all_reduce, group_reduce_scatter
+from .comm import GroupLinks, all_reduce, gloo_all_reduce, group_all_gather, group_all_reduce, group_reduce_scatter
 from .compute import DeviceSpeed, efficiency, matmul_seconds, optimizer_seconds
 from .layout import AXES, ClusterLayout
-from .memory import ByteLayout, MemoryBreakdown, block_params, model_states, params_per_tp_rank, rank_memory
+from .memory import ByteLayout, MemoryBreakdown, block_params, params_per_tp_rank, rank_memory, runtime_states
 from .model_math import ModelShape, flops_per_step
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
 
 GB = 1e9
-# gloo's cost per ring step between processes (a TCP or shared-memory round of its own
-# threads), far above the link's own latency; NCCL's is in the link figures.
-GLOO_STEP_US = 25.0
 
 
 @dataclass(frozen=True)
@@ -93,10 +90,10 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
     ring = cl.rings[axis]
     spans = size > per_node
     inter = ctx.net_gbps * per_node / ctx.gpus_per_node if spans else math.inf
-    extra = 0.0 if ctx.on_gpu else GLOO_STEP_US
     return GroupLinks(size=size, per_node=per_node, intra_gbps=ring.gbps,
-                      intra_lat_us=ring.lat_us + extra if per_node > 1 else 0.0,
-                      inter_gbps=inter, inter_lat_us=ctx.net_lat_us + extra if spans else 0.0)
+                      intra_lat_us=ring.lat_us if per_node > 1 else 0.0,
+                      inter_gbps=inter, inter_lat_us=ctx.net_lat_us if spans else 0.0,
+                      gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
 def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
@@ -116,8 +113,8 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     mm = matmul_seconds(flops, ctx.speed, eff)
     fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / flops_per_step(shape, ctx.global_batch, c.recompute)
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
-    w, g, k = model_states(c.strategy, p_rank, shard_group, lay)
-    compute_s = mm + optimizer_seconds(w + g + k, ctx.speed)
+    st = runtime_states(c.strategy, shape, tp, shard_group, lay)
+    compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
 
     # Tensor parallelism: two all-reduces of a block's activations forward, two backward
     # (reduce-scatter + all-gather pairs under sequence parallelism move the same bytes),
@@ -125,7 +122,11 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     parts: dict[str, float] = {}
     if tp > 1:
         tpl = group_links(ctx, cl, "tp")
-        per_ar, _ = all_reduce(c.micro_batch * shape.seq * shape.hidden * lay.activation, tp, tpl.flat_gbps, tpl.flat_lat_us)
+        act = c.micro_batch * shape.seq * shape.hidden * lay.activation
+        if ctx.on_gpu:
+            per_ar, _ = all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us)
+        else:
+            per_ar = gloo_all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us, ctx.speed.mem_gbps)
         n = 4 + (2 if c.recompute == "full" else 0)
         parts["tp"] = accum * shape.layers * n * per_ar
     tp_s = parts.get("tp", 0.0)

@@ -232,17 +232,20 @@ def _greedy_partition(n: int, k: int, group_of):
 
 
 @lru_cache(maxsize=256)
-def node_layout(wiring: NodeWiring, shape_in: tuple[int, int, int], spans: tuple[bool, bool, bool]) -> NodeLayout:
+def node_layout(wiring: NodeWiring, shape_in: tuple[int, int, int], spans: tuple[bool, bool, bool],
+                topology_aware: bool = True) -> NodeLayout:
     """Order a node's GPUs for the in-node mesh `shape_in` = (rep, shard, tp) members.
 
     `spans[i]` says whether axis i continues on other nodes (its in-node ring is then a path
-    between the node's network ports, not a closed ring)."""
+    between the node's network ports, not a closed ring). With `topology_aware` False the
+    ranks keep the devices' own order (what a scheduler blind to the links gives: local rank j
+    on device j), and only the rings that order crosses are measured."""
     rep_in, shard_in, tp_in = shape_in
     if rep_in * shard_in * tp_in != len(wiring.devices):
         raise ValueError(f"in-node mesh {shape_in} does not cover the node's {len(wiring.devices)} devices")
     table = wiring.table()
     rings: dict[str, RingStats] = {}
-    if wiring.uniform:
+    if wiring.uniform or not topology_aware:
         order = wiring.devices
     else:
         items: list[tuple[int, ...]] = [(d,) for d in wiring.devices]
@@ -318,15 +321,16 @@ class ClusterLayout:
         return all(l.uniform for l in self.layouts)
 
 
-def cluster_layout(wirings: Wirings, mesh: tuple[int, int, int]) -> ClusterLayout:
-    """Lay the mesh out on the cluster; ValueError when the mesh does not cut into its nodes."""
+def cluster_layout(wirings: Wirings, mesh: tuple[int, int, int], topology_aware: bool = True) -> ClusterLayout:
+    """Lay the mesh out on the cluster; ValueError when the mesh does not cut into its nodes.
+    `topology_aware` False keeps every node's device order (see `node_layout`)."""
     g = wirings.devices_per_node
     world = math.prod(mesh)
     if world != g * len(wirings.node_index):
         raise ValueError(f"the mesh {mesh} has {world} ranks, the cluster {g * len(wirings.node_index)} devices")
     shape_in = in_node_shape(mesh, g)
     spans = tuple(full > inside for full, inside in zip(mesh, shape_in))
-    layouts = tuple(node_layout(w, shape_in, spans) for w in wirings.unique)
+    layouts = tuple(node_layout(w, shape_in, spans, topology_aware) for w in wirings.unique)
     rings = {}
     for axis in ("tp", "dp_shard", "dp_replicate"):
         stats = [l.rings[axis] for l in layouts]

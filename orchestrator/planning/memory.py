@@ -4,16 +4,22 @@ Model states follow Rajbhandari et al. 2020 (ZeRO) Sec. 5: with Psi parameters, 
 w bytes, gradients of g bytes and K bytes of optimizer state per parameter, a rank keeps
 DDP (w+g+K)Psi; ZeRO-1 (w+g)Psi + K Psi/N; ZeRO-2 w Psi + (g+K)Psi/N; ZeRO-3 (w+g+K)Psi/N,
 where N is the number of ranks a state is sharded over (HSDP: the shard group).
+
+`model_states` is that accounting. What a rank of the runtime keeps (`runtime_states`) differs
+in one place: the runtime's zero2 is FSDP2 with reshard_after_forward=False, which keeps a
+weight *shard* at rest (w Psi/N) and holds the gathered weights only from each unit's forward
+until its backward, as transient buffers. DeepSpeed's ZeRO-2, which the paper measures, keeps
+the full 16-bit weights at rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .model_math import ModelShape, activation_bytes, block_params, tp_param_split
+from .model_math import ModelShape, activation_bytes, block_params, root_params, tp_param_split
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
-# Ranks hold the parameters of the block being computed and of the one being prefetched.
+# Under ZeRO-3 a rank holds the gathered block being computed and the one being prefetched.
 FSDP_PREFETCH_BLOCKS = 2
 # NCCL communicators' staging buffers and cuBLAS workspaces: a few hundred MB on a GPU.
 GPU_WORKSPACE_BYTES = 512 * 2**20
@@ -53,7 +59,8 @@ def byte_layout(precision: str, device_kind: str = "gpu") -> ByteLayout:
     if precision == "fp16":
         return ByteLayout("fp16 weights and gradients, fp32 master weights and Adam moments", 2, 2, 12, 2, 2)
     if precision in ("auto", "bf16"):
-        return ByteLayout("fp32 master weights and gradients, Adam moments in fp32, bf16 autocast", 4, 4, 8, 2, 2)
+        # FSDP2 runs without a param_dtype (autocast casts per op), so it gathers fp32 weights.
+        return ByteLayout("fp32 weights and gradients, Adam moments in fp32, bf16 autocast", 4, 4, 8, 2, 4)
     raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
 
 
@@ -70,7 +77,8 @@ class MemoryBreakdown:
     activations: int
     """Activations of one micro-batch kept for backward (Korthikanti et al.)."""
     buffers: int
-    """Communication buckets, FSDP's unsharded blocks, NCCL and cuBLAS workspaces."""
+    """Transient: DDP's buckets, FSDP's gathered weights and unsharded gradients, the
+    tensor-parallel gather, NCCL and cuBLAS workspaces."""
     total: int
     """The sum of the above."""
 
@@ -85,7 +93,8 @@ def params_per_tp_rank(shape: ModelShape, tp: int) -> float:
 
 
 def model_states(strategy: str, params: float, shard: int, layout: ByteLayout) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per rank for `params` parameters sharded over `shard` ranks."""
+    """(weights, gradients, optimizer) bytes per rank at rest under ZeRO's accounting (the
+    paper's stages, as DeepSpeed keeps them) for `params` parameters sharded over `shard` ranks."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if shard < 1:
@@ -100,19 +109,75 @@ def model_states(strategy: str, params: float, shard: int, layout: ByteLayout) -
     return w / shard, g / shard, k / shard  # zero3, and hsdp inside its shard group
 
 
-def buffer_bytes(
-    strategy: str, shape: ModelShape, tp: int, layout: ByteLayout, bucket_bytes: float, micro_batch: int, on_gpu: bool
-) -> float:
-    """Transient buffers: two gradient buckets in flight for DDP-style reduction, FSDP's
-    unsharded current and prefetched block plus one block's unsharded gradients, the
-    tensor-parallel gather of one block input, and the GPU libraries' workspaces."""
-    block = block_params(shape) / tp
+@dataclass(frozen=True)
+class StateBytes:
+    """What one rank of the runtime keeps of the model, in bytes."""
+
+    params: float
+    """Weights at rest: the rank's shard under FSDP2, all of them under DDP and ZeRO-1."""
+    grads: float
+    """Gradients as the optimizer step sees them (sharded under FSDP2)."""
+    optimizer: float
+    """Adam moments (and master weights) of the parameters this rank steps."""
+    gathered: float
+    """Weights FSDP2 holds unsharded at the peak, on top of `params` (transient)."""
+    unsharded_grads: float
+    """Gradients FSDP2 holds unsharded at the peak before reduce-scattering them (transient)."""
+
+
+def runtime_strategy(strategy: str, tp: int) -> str:
+    """The wrapping the runtime really applies (`runtime.parallelize`). With tensor parallelism
+    DDP cannot reduce DTensor gradients and ZeroRedundancyOptimizer cannot hold DTensor shards,
+    so ddp runs as FSDP2 over a shard group of one and zero1 as zero2: both are zero2's
+    wrapping (reshard_after_forward=False), ddp's with nothing sharded."""
+    return "zero2" if strategy in ("ddp", "zero1") and tp > 1 else strategy
+
+
+def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout) -> StateBytes:
+    """Model-state bytes one rank keeps under the runtime's wrapping of the GPT.
+
+    ddp and zero1 keep what ZeRO counts. FSDP2 (zero2, zero3, hsdp) shards every weight over
+    the `shard` group at rest. Its root unit (embeddings, tied lm_head, final LayerNorm) is
+    never resharded between forward and backward, and its unsharded gradient lives through the
+    whole backward (lm_head's part comes first, the embedding's last); each block's unsharded
+    gradient lives until its reduce-scatter. zero2 (reshard_after_forward=False) keeps every
+    block's gathered weights from its forward until its backward, so at the start of backward
+    all of them exist at once; zero3 and hsdp re-gather per block and hold the block being
+    computed plus the one being prefetched.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if shard < 1:
+        raise ValueError(f"shard group size must be >= 1, got {shard}")
+    if tp < 1:
+        raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
+    strategy = runtime_strategy(strategy, tp)
+    p = params_per_tp_rank(shape, tp)
     if strategy in ("ddp", "zero1"):
-        comm = 2 * bucket_bytes
-    elif strategy == "zero2":
-        comm = block * layout.grads
+        w, g, k = model_states(strategy, p, shard, layout)
+        return StateBytes(w, g, k, 0.0, 0.0)
+    w, g, k = (p * b / shard for b in (layout.weights, layout.grads, layout.optimizer))
+    root, block = root_params(shape), p - root_params(shape)
+    per_block = block / shape.layers
+    if strategy == "zero2":
+        gathered = p * layout.compute
     else:
-        comm = FSDP_PREFETCH_BLOCKS * block * layout.compute + block * layout.grads
+        gathered = (root + min(FSDP_PREFETCH_BLOCKS, shape.layers) * per_block) * layout.compute
+    return StateBytes(w, g, k, gathered, (root + per_block) * layout.grads)
+
+
+def buffer_bytes(
+    strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout, bucket_bytes: float, micro_batch: int,
+    on_gpu: bool,
+) -> float:
+    """Transient buffers: two gradient buckets in flight for DDP-style reduction, or FSDP2's
+    gathered weights and unsharded gradients (`runtime_states`); the tensor-parallel gather of
+    one block input; the GPU libraries' workspaces."""
+    if runtime_strategy(strategy, tp) in ("ddp", "zero1"):
+        comm = 2 * bucket_bytes
+    else:
+        st = runtime_states(strategy, shape, tp, shard, layout)
+        comm = st.gathered + st.unsharded_grads
     if tp > 1:
         comm += micro_batch * shape.seq * shape.hidden * layout.activation
     return comm + (GPU_WORKSPACE_BYTES if on_gpu else 0)
@@ -129,7 +194,8 @@ def rank_memory(
     bucket_bytes: float,
     on_gpu: bool = True,
 ) -> MemoryBreakdown:
-    """Peak bytes of one rank: model states, one micro-batch's activations, buffers.
+    """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
+    micro-batch's activations, transient buffers.
 
     With tensor parallelism the activations are Korthikanti's without sequence parallelism:
     the runtime's tensor-parallel plan shards the matmuls only, so LayerNorm and dropout
@@ -137,12 +203,12 @@ def rank_memory(
     The fp32 logits and their gradient, which cross-entropy materialises, are added to the
     activation estimate: they dominate at large vocabularies.
     """
-    p = params_per_tp_rank(shape, tp)
-    w, g, k = model_states(strategy, p, shard, layout)
+    st = runtime_states(strategy, shape, tp, shard, layout)
+    w, g, k = st.params, st.grads, st.optimizer
     act = activation_bytes(shape, micro_batch, tp, sequence_parallel=False, recompute=recompute,
                            bytes_per_value=layout.activation)
     act += 8 * micro_batch * shape.seq * shape.vocab / tp
-    buf = buffer_bytes(strategy, shape, tp, layout, bucket_bytes, micro_batch, on_gpu)
+    buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu)
     parts = [int(round(x)) for x in (w, g, k, act, buf)]
     return MemoryBreakdown(*parts, total=sum(parts))
 

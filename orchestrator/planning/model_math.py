@@ -71,15 +71,24 @@ def narayanan_params(shape: ModelShape) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
 
 
+def root_params(shape: ModelShape) -> int:
+    """Parameters outside the blocks: the tied wte/lm_head, the position embedding and the
+    final LayerNorm (what the runtime's root FSDP unit holds)."""
+    final_norm = 2 * shape.hidden if shape.bias else shape.hidden
+    return (shape.vocab + shape.seq) * shape.hidden + final_norm
+
+
 def tp_param_split(shape: ModelShape) -> tuple[int, int]:
     """(parameters sharded by tensor parallelism, parameters every TP rank replicates).
 
-    Megatron's split: the four attention and two MLP matrices, the column-parallel biases
-    (q, k, v, c_fc) and the vocabulary embedding are sharded; LayerNorms, the row-parallel
-    biases (added after the reduction) and the position embedding are replicated.
+    As the runtime's plan (`runtime.tensor_parallel`) splits them: the four attention and two
+    MLP matrices and the column-parallel biases (q, k, v, c_fc) are sharded; LayerNorms, the
+    row-parallel biases (added after the reduction), both embeddings and the tied lm_head are
+    replicated. Megatron's vocabulary-parallel embedding would shard V h more; the runtime keeps
+    the tied weight whole so that wte and lm_head stay one parameter.
     """
     h, l = shape.hidden, shape.layers
-    sharded = l * 12 * h * h + shape.vocab * h
+    sharded = l * 12 * h * h
     if shape.bias:
         sharded += l * 7 * h
     return sharded, param_count(shape) - sharded

@@ -144,6 +144,13 @@ def _host_memory_per_slot(slots: int) -> int:
     return total // max(slots, 1)
 
 
+def job_context(cfg: JobConfig, topology: ClusterTopology) -> JobContext:
+    """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
+    byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
+    and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
+    return _context(cfg, topology, ModelShape.from_config(cfg.model))[0]
+
+
 def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> tuple[JobContext, str]:
     if topo.num_devices == 0:
         raise PlanError("the cluster has no devices to plan for (no GPU and no CPU slot)")

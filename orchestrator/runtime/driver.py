@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -178,13 +179,17 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             threads_per_worker=max(1, int(cfg.cluster.cpus_per_worker)),
             timeout_s=cfg.cluster.placement_timeout_s,
         )
+    affinity = _cpu_affinity(plan, topology)
     try:
         run.write_json("placement.json", placement.reports)
         actors = placement.actors
         try:
             master = ray.get(actors[0].rendezvous_address.remote())
             with console.status("starting the process group and building the model"):
-                setups = ray.get([a.setup.remote(cfg, plan, master, resume) for a in actors])
+                setups = ray.get([
+                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None)
+                    for r, a in enumerate(actors)
+                ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
         for note in setups[0]["notes"]:
@@ -197,6 +202,12 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     finally:
         placement.release()
     return plan, setups, finals, placement.reports
+
+
+def _cpu_affinity(plan: dict[str, Any], topology) -> list[str | None]:
+    """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
+    by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
+    return [by_node.get(r["node"], {}).get(r["gpu"]) for r in plan["ranks"]]
 
 
 def _elastic(cfg: JobConfig, topology):
@@ -233,7 +244,11 @@ def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunS
     from .worker import MetricsSink
 
     actors = placement.actors
-    sink = MetricsSink.options(num_cpus=0).remote()
+    # The sink lives beside the driver: a worker node may fail, the driver's own node may not.
+    sink = MetricsSink.options(
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote()
     refs = [a.train.remote(start, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
     pending = list(refs)
     try:
@@ -264,8 +279,8 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
         elif kind == "checkpoint":
             state.checkpoints.append(it["path"])
         elif kind == "step":
-            row = {k: it.get(k) for k in ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu",
-                                          "val_loss")}
+            row = {k: it.get(k) for k in ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s",
+                                          "grad_norm", "mfu", "val_loss")}
             state.rows.append(row)
             if row["val_loss"] is not None:
                 state.val.append((row["step"], row["val_loss"]))
@@ -305,8 +320,11 @@ def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -
         "step_s": measured_step,
         "wall_s": wall,
         "checkpoints": state.checkpoints,
-        "predicted": {"step_s": predicted, "model_state_bytes_per_rank": model_state_pred},
-        "measured": {"step_s": measured_step, "model_state_bytes_per_rank": measured_mem},
+        "predicted": {"step_s": predicted, "exposed_comm_s": plan.get("step_time", {}).get("exposed_comm_s"),
+                      "model_state_bytes_per_rank": model_state_pred},
+        "measured": {"step_s": measured_step, "exposed_comm_s": _steady_mean(
+                         [r["exposed_comm_s"] for r in state.rows if r.get("exposed_comm_s") is not None]),
+                     "model_state_bytes_per_rank": measured_mem},
         "notes": setups[0]["notes"],
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
@@ -327,6 +345,9 @@ def _print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     t.add_row("step time (steady)", f"{fmt(s['step_s'] * 1000 if s['step_s'] else None, '.1f')} ms")
     if s["predicted"]["step_s"]:
         t.add_row("step time predicted", f"{s['predicted']['step_s'] * 1000:.1f} ms")
+    exposed = s["measured"]["exposed_comm_s"]
+    t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
+              + (f" (predicted {s['predicted']['exposed_comm_s'] * 1000:.1f} ms)" if s["predicted"]["exposed_comm_s"] else ""))
     t.add_row("wall time", f"{s['wall_s']:.1f} s")
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)

@@ -31,6 +31,8 @@ class StepResult:
     step_s: float
     tokens_per_s: float
     grad_norm: float
+    exposed_comm_s: float | None = None
+    """Step time not explained by compute: step - optimizer - micro-steps x compute-only time."""
     val_loss: float | None = None
 
 
@@ -91,6 +93,7 @@ class Trainer:
         )
         self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
         self.tokens_per_step = gb * m.block_size
+        self.compute_micro_s: float | None = None
 
     def load_checkpoint(self, path: str) -> int:
         """Load model and optimizer from a committed checkpoint (any world size or strategy DCP
@@ -107,6 +110,33 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def calibrate_compute(self, repeats: int = 3) -> float:
+        """Seconds of one micro-step's forward and backward with gradient sync off: the
+        compute-only baseline that exposed communication is measured against. Gradients are
+        dropped afterwards, so training is unchanged. (Sharded strategies still all-gather
+        parameters inside it, so their figure counts gradient communication only.)"""
+        x, y = self.data.train_batch(0, self.cfg.train.global_batch_size, self.dp_rank, self.dp_world)
+        x, y = x[: self.micro].to(self.device), y[: self.micro].to(self.device)
+        model = self.par.model
+        model.train()
+        times = []
+        for _ in range(repeats + 1):  # the first run pays for allocation and warm-up
+            self._sync()
+            t0 = time.perf_counter()
+            with self.par.no_sync():
+                with self._autocast():
+                    loss = model(x, y)
+                loss.backward()
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        self.par.optimizer.zero_grad(set_to_none=True)
+        self.compute_micro_s = sorted(times[1:])[len(times[1:]) // 2]
+        return self.compute_micro_s
 
     def _global_mean(self, value: torch.Tensor) -> float:
         # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so
@@ -138,13 +168,21 @@ class Trainer:
                     loss = model(x[sl], y[sl]) / self.accum
                 loss.backward()
             total += loss.detach()
+        self._sync()
+        t_opt = time.perf_counter()
         grad_norm = self.par.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else float("nan")
         self.par.optimizer.step()
         self.par.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        opt_s = time.perf_counter() - t_opt
         mean_loss = self._global_mean(total)
         step_s = time.perf_counter() - t0
+        exposed = None
+        if self.compute_micro_s is not None:
+            exposed = max(0.0, step_s - opt_s - self.accum * self.compute_micro_s)
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
-                          tokens_per_s=self.tokens_per_step / step_s, grad_norm=float(grad_norm))
+                          tokens_per_s=self.tokens_per_step / step_s, grad_norm=float(grad_norm),
+                          exposed_comm_s=exposed)
 
     @torch.no_grad()
     def evaluate(self) -> float:

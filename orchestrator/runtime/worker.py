@@ -59,6 +59,20 @@ def device_report(cpu_slot: int) -> dict[str, Any]:
     }
 
 
+def _bind_cpus(cpu_affinity: str, rank: int) -> list[str]:
+    """Pin this process to the CPUs nearest its GPU (host-to-device copies and the data loader
+    then stay on the GPU's NUMA node). Only CPUs this process may already use are taken, so a
+    container's cpuset or Ray's own isolation is never widened."""
+    from ..topology.model import parse_cpu_list
+
+    allowed = os.sched_getaffinity(0)
+    near = parse_cpu_list(cpu_affinity) & allowed
+    if not near:
+        return [f"rank {rank}: none of the CPUs near its GPU ({cpu_affinity}) are available here; not pinned"]
+    os.sched_setaffinity(0, near)
+    return []
+
+
 @ray.remote
 class MetricsSink:
     """Collects what ranks push; the driver drains it."""
@@ -91,13 +105,17 @@ class Worker:
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, cfg, plan: dict[str, Any], master: tuple[str, int], resume_from: str | None = None) -> dict[str, Any]:
-        """Join the process group, build the model under the plan, and load `resume_from` if given."""
+    def setup(self, cfg, plan: dict[str, Any], master: tuple[str, int], resume_from: str | None = None,
+              cpu_affinity: str | None = None) -> dict[str, Any]:
+        """Join the process group, build the model under the plan, and load `resume_from` if given.
+        `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology."""
         import torch
 
         from .trainer import Trainer, init_process_group
 
         notes = []
+        if cpu_affinity:
+            notes += _bind_cpus(cpu_affinity, self.rank)
         gpus = ray.get_gpu_ids()
         if gpus and torch.cuda.is_available():
             # Every worker sees all of the node's job GPUs (NCCL needs its peers for P2P and
@@ -117,6 +135,7 @@ class Worker:
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = model.get("flops_per_step", 0) / self.world
         self.peak_flops = model.get("peak_tflops_per_rank", 0) * 1e12
+        self.trainer.calibrate_compute()
         start = 0
         if resume_from:
             start = self.trainer.load_checkpoint(resume_from)

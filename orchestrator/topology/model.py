@@ -269,6 +269,20 @@ class ClusterTopology:
         return cls.from_dict(json.loads(text))
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """The CPUs of a `taskset`-style list (`0-47,96-143`); ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if last < first:
+            raise ValueError(f"CPU range {part!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 def all_pairs(indices: Iterable[int]) -> list[tuple[int, int]]:
     """Every unordered pair (a < b) of the given device indices."""
     idx = sorted(indices)
