@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
     resume = resume_checkpoint(args.resume) if args.resume else None
-    console = Console()
+    # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
+    console = Console(soft_wrap=True)
     run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
     console.print(f"run directory: {run_dir.path}", markup=False)
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,31 @@ def probe_local(
     slots = num_cpu_slots or os.cpu_count() or 1
     node = cpu_node(slots, hostname=socket.gethostname())
     node.numa_nodes = numa_nodes(sysfs_root)
+    # CPUs differ by 10x in what one core multiplies; no table knows this one, so measure it.
+    tflops = cpu_slot_tflops()
+    for d in node.devices:
+        d.measured_tflops = tflops
     return node
+
+
+def cpu_slot_tflops(seconds: float = 0.2, n: int = 512) -> float | None:
+    """fp32 matmul TFLOP/s of one CPU thread (a worker's share on a GPU-less node)."""
+    try:
+        import torch
+    except ImportError:  # the probe also runs where only the planner is installed
+        return None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        runs, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            a @ b
+            runs += 1
+        return 2 * n**3 * runs / (time.perf_counter() - t0) / 1e12
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _run(cmd: list[str], reasons: list[str]) -> str | None:

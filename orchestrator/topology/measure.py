@@ -154,7 +154,17 @@ def _load_cached(node: NodeTopology, directory: Path, quick: bool) -> dict[tuple
         if kinds.get(f"{entry['a']}-{entry['b']}") != entry.get("kind"):
             return None  # the wiring changed since: measure again
         fits[(entry["a"], entry["b"])] = Fit(entry["latency_us"], entry["bandwidth_gbps"])
+    _apply_tflops(node, {int(k): v for k, v in data.get("tflops", {}).items()})
     return fits or None
+
+
+def _apply_tflops(node: NodeTopology, tflops: dict[int, float]) -> None:
+    """Record measured matmul rates; CPU slots of one host share the rate of those timed."""
+    if not tflops:
+        return
+    shared = statistics.median(tflops.values())
+    for d in node.devices:
+        d.measured_tflops = tflops.get(d.index, shared if d.kind == "cpu" else d.measured_tflops)
 
 
 def _store(node: NodeTopology, directory: Path, quick: bool, fits: dict[tuple[int, int], Fit]) -> None:
@@ -163,8 +173,9 @@ def _store(node: NodeTopology, directory: Path, quick: bool, fits: dict[tuple[in
         {"a": a, "b": b, "kind": node.link(a, b).kind, "latency_us": f.latency_us, "bandwidth_gbps": f.bandwidth_gbps}
         for (a, b), f in sorted(fits.items())
     ]
+    tflops = {str(d.index): d.measured_tflops for d in node.devices if d.measured_tflops}
     data = {"hostname": node.hostname, "uuids": [d.uuid for d in node.devices], "quick": quick, "pairs": pairs,
-            "when": time.time()}
+            "tflops": tflops, "when": time.time()}
     tmp = directory / f".{cache_key(node)}.json.tmp"
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(directory / f"{cache_key(node)}.json")
@@ -254,6 +265,27 @@ class BenchWorker:
                     times.append(time.perf_counter() - t0)
             out.append(statistics.median(times))
         return out
+
+    def matmul_tflops(self) -> float | None:
+        """Dense matmul TFLOP/s of this rank's device: bf16 on a GPU, one fp32 thread on a CPU slot."""
+        if not self.use_gpu:
+            from .local import cpu_slot_tflops
+
+            return cpu_slot_tflops()
+        import torch
+
+        n = 8192
+        a = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=self.device, dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        self._sync()
+        runs = 20
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            a @ b
+        self._sync()
+        return 2 * n**3 * runs / (time.perf_counter() - t0) / 1e12
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -382,6 +414,9 @@ def measure_cluster(
                 except ValueError as e:
                     node.warnings.append(f"devices {a}-{b}: no fit ({e}); the table figure stands")
             apply_fits(node, fits)
+            timed = list(rank_of.items())
+            rates = ray.get([ranks[i].actor.matmul_tflops.remote() for _, i in timed])
+            _apply_tflops(node, {dev: r for (dev, _), r in zip(timed, rates) if r})
             if fits:
                 _store(node, directory, quick, fits)
         if need_network:

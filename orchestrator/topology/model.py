@@ -52,6 +52,8 @@ class Device:
     """`<cluster uuid>/<clique id>` for multi-node NVLink (GB200 NVL72); None otherwise."""
     mig: bool = False
     """True when MIG mode is enabled (the device is then split and NVLink P2P is off)."""
+    measured_tflops: float | None = None
+    """Dense matmul TFLOP/s this device reached when probed; the planner prefers it to its table."""
 
 
 @dataclass

@@ -100,14 +100,18 @@ def render_text(cluster: ClusterTopology) -> str:
         console.print()
         console.print(_node_title(node, i))
         devs = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-        for col in ("device", "name", "memory", "NUMA", "CPUs", "PCIe", "bus id"):
+        measured = any(d.measured_tflops for d in node.devices)
+        for col in ("device", "name", "memory", "NUMA", "CPUs", "PCIe", "bus id") + (("TFLOP/s*",) if measured else ()):
             devs.add_column(col)
         for d in node.devices:
             mem = f"{d.memory_bytes / 2**30:.0f} GiB" if d.memory_bytes else "-"
             pcie = f"Gen{d.pcie_gen} x{d.pcie_width}" if d.pcie_gen and d.pcie_width else "-"
             label = f"{'GPU' if d.kind == 'gpu' else 'CPU'}{d.index}" + (" (MIG)" if d.mig else "")
-            devs.add_row(label, d.name or "-", mem, "-" if d.numa_node is None else str(d.numa_node),
-                         d.cpu_affinity or "-", pcie, d.pci_bus_id or "-")
+            row = [label, d.name or "-", mem, "-" if d.numa_node is None else str(d.numa_node),
+                   d.cpu_affinity or "-", pcie, d.pci_bus_id or "-"]
+            if measured:
+                row.append(f"{d.measured_tflops:.3g}" if d.measured_tflops else "-")
+            devs.add_row(*row)
         if node.devices:
             console.print(devs)
         else:
