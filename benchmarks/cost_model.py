@@ -134,7 +134,6 @@ def _rank(rank: int, world: int, port: int, backend: str, sizes: list[int], prob
 def measure(world: int, backend: str, sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
     """Run `world` processes; returns the probe's fit and the measured seconds per op and size."""
     import torch.multiprocessing as mp
-
     from _common import free_port
 
     if world < 2:
@@ -220,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"
     sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
-    from orchestrator.topology.measure import FULL_SIZES as PROBE_FULL, QUICK_SIZES as PROBE_QUICK
+    from orchestrator.topology.measure import FULL_SIZES as PROBE_FULL
+    from orchestrator.topology.measure import QUICK_SIZES as PROBE_QUICK
 
     probe_sizes = list(PROBE_QUICK if args.quick else PROBE_FULL)
     t0 = time.perf_counter()

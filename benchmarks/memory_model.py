@@ -92,7 +92,6 @@ def _rank(rank: int, world: int, port: int, cases_: list[dict[str, Any]], out: s
 def measure(world: int, planned: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Per case, every rank's {params, grads, optimizer} bytes."""
     import torch.multiprocessing as mp
-
     from _common import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,8 +124,8 @@ def compare(planned: list[dict[str, Any]], measured: list[list[dict[str, Any]]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.planning.model_math import ModelShape, param_count
     from orchestrator.config import load_config
+    from orchestrator.planning.model_math import ModelShape, param_count
 
     def extra(ap):
         ap.add_argument("--world", type=int, default=4, help="gloo processes (an even number, at least 4)")

@@ -8,7 +8,7 @@
         metrics.jsonl    one JSON line per optimizer step
         summary.json     the outcome, with the plan's predictions beside the measurements
         loss.svg         the loss curve
-        checkpoints/     committed DCP checkpoints (step_XXXXXXXX/)
+        checkpoints/     committed DCP checkpoints (step_NNNNNNNN/)
 """
 
 from __future__ import annotations

@@ -39,8 +39,14 @@ def test_steady_mean_skips_the_warm_up_steps():
 
 
 def test_cost_model_prediction_is_the_planners_own_formula():
-    from orchestrator.planning.comm import (GLOO_LAUNCH_US, GLOO_RING_SLOWDOWN, GLOO_STEP_US, LAUNCH_S,
-                                            gloo_all_gather, gloo_reduce_scatter)
+    from orchestrator.planning.comm import (
+        GLOO_LAUNCH_US,
+        GLOO_RING_SLOWDOWN,
+        GLOO_STEP_US,
+        LAUNCH_S,
+        gloo_all_gather,
+        gloo_reduce_scatter,
+    )
     from orchestrator.planning.gpus import CPU_SLOT
 
     n, p, lat, bw = 64 << 20, 4, 20.0, 5.0

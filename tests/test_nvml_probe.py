@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+import fake_pynvml as fake
 import pytest
 
-import fake_pynvml as fake
 from orchestrator.topology.model import NodeTopology
 from orchestrator.topology.nvml import NvmlUnavailable, cpu_list, normalize_bus_id, probe_nvml
 

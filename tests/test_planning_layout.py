@@ -11,7 +11,7 @@ from orchestrator.planning import plan_job
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import NodeWiring, in_node_shape, mesh_groups, node_layout
 from orchestrator.topology.files import load_topology_file
-from orchestrator.topology.model import ClusterTopology, Link, Network, NodeTopology
+from orchestrator.topology.model import Link, Network, NodeTopology
 
 FIX = Path(__file__).parent / "fixtures" / "topology"
 MODEL = ["model.n_layer=4", "model.n_head=8", "model.n_embd=512", "train.global_batch_size=32"]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 

@@ -3,6 +3,7 @@ workers equals 1 worker, failures are survived exactly, checkpoints are never lo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -48,8 +49,7 @@ def _run(tmp_path: Path, *overrides: str, resume: str | None = None):
 
 
 def _final_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
-    m = cfg.model
-    model = GPT(GPTConfig(m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.dropout, m.bias))
+    model = GPT(GPTConfig(**dataclasses.asdict(cfg.model)))
     checkpoint.load_model_weights(checkpoint.committed(str(run_dir / "checkpoints"))[-1], model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from orchestrator.errors import TopologyError
 from orchestrator.topology.files import load_cluster_file
+from orchestrator.topology.model import ClusterTopology
 from orchestrator.topology.nccl_xml import parse_nccl_xml
 from orchestrator.topology.nvlink_status import parse_nvlink_status, refine_nvlink_bandwidth
 from orchestrator.topology.render import render_svg, render_text
-from orchestrator.topology.model import ClusterTopology
 from orchestrator.topology.smi import parse_topo_matrix
 
 FIX = Path(__file__).parent / "fixtures" / "topology"

@@ -17,10 +17,10 @@ from .compute import DeviceSpeed, device_speed
 from .cost import Estimate, JobContext
 from .gpus import known_names
 from .layout import AXES, ClusterLayout, Wirings, mesh_groups, rank_placements
-from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
+from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, byte_layout, usable_bytes
 from .model_math import ModelShape, model_flops_per_step, param_count
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
-from .sync import SyncPlan, powersgd_ratio
+from .sync import powersgd_ratio
 
 GB = 1e9
 

@@ -1,9 +1,9 @@
 """Sharded checkpoints with torch.distributed.checkpoint, committed atomically.
 
-Every rank writes its shards into `.step_XXXXXXXX.partial/`. After DCP has written its
+Every rank writes its shards into `.step_NNNNNNNN.partial/`. After DCP has written its
 metadata and all ranks have passed a barrier, rank 0 writes `meta.json` (step, world size,
 strategy, and the size and SHA-256 of every file) and, on a local filesystem, renames the
-directory to `step_XXXXXXXX`. On object stores (`s3://`, `gs://`, any fsspec URI), where a
+directory to `step_NNNNNNNN`. On object stores (`s3://`, `gs://`, any fsspec URI), where a
 rename is a copy, shards go straight to the final name and `meta.json`, written last, is the
 commit. Either way a checkpoint counts only when its `meta.json` exists and every file matches
 it, so a crash mid-write leaves the previous checkpoint as the latest whole one. `meta.json`

@@ -8,6 +8,7 @@ is the mean over the whole global batch, the same number a single process would 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -78,7 +79,8 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)  # same init on every rank, before any sharding
         m = cfg.model
-        model = GPT(GPTConfig(m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.dropout, m.bias))
+        # The workload keeps its own config type (it never imports ours); the fields are the same.
+        model = GPT(GPTConfig(**dataclasses.asdict(m)))
         self.num_params = model.num_params()
         model.to(device)
         t = cfg.train

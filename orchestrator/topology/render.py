@@ -13,9 +13,9 @@ import io
 import math
 from xml.sax.saxutils import escape
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
-from rich import box
 
 from .model import ClusterTopology, Link, NodeTopology
 
