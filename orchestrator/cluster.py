@@ -40,6 +40,9 @@ def connect(
     if address is None:
         cpus = max(os.cpu_count() or 1, int(num_cpus or 0))
         kwargs.update(address="local", num_cpus=cpus)
+        # Our private cluster keeps Ray's token authentication on; its notice that it is on
+        # speaks to people who started a cluster themselves.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     else:
         kwargs.update(address=address)
     try:

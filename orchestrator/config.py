@@ -129,6 +129,9 @@ class ClusterConfig:
     """Network bandwidth out of one node, GB/s per direction; None derives it from the NICs."""
     inter_node_latency_us: float = 10.0
     """One-way latency between nodes, microseconds."""
+    measure: bool = False
+    """Time the links (and each device's matmul rate) before planning, as `probe --measure`
+    does; results are cached per node, so only a node's first job pays for it."""
     placement_timeout_s: float = 120.0
     """How long to wait for the placement group before giving up with what is missing."""
     topology_file: Optional[str] = None

@@ -161,8 +161,8 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     from ..placement import place
     from ..topology.cluster_probe import probe_cluster
 
-    with console.status("probing the cluster topology"):
-        topology = probe_cluster(num_cpu_slots=cfg.cluster.num_workers)
+    with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
+        topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
     run.write_text("topology.json", topology.to_json())
     use_gpu = _use_gpu(topology)
     topology = _elastic(cfg, topology)
