@@ -2,7 +2,9 @@
 
 Kept out of the test module so spawned ranks import it without importing pytest.
 Every case starts from the same seed and the same global batches; a rank trains on its
-data-parallel slice of each micro-batch, exactly as the training loop does.
+data-parallel slice of each micro-batch, exactly as the training loop does. A case whose
+spec gathers 16-bit weights runs its forward under autocast to that dtype, as the Trainer
+does, and is compared with a single process under the same autocast.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.fsdp import FSDPModule
 
+from orchestrator.runtime.comm_hooks import PARAM_DTYPES
 from orchestrator.runtime.parallelize import ParallelSpec, build_mesh, data_parallel_rank, parallelize
 from orchestrator.workloads.gpt import GPT, GPTConfig, param_groups
 
@@ -39,6 +43,11 @@ class Case:
     resume_from: str | None = None
     """Also resume from this earlier case's checkpoint (same accum, other layout): DCP resharding."""
 
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The forward's autocast dtype: the one FSDP2 gathers weights in, none for fp32."""
+        return None if self.spec.param_dtype == "fp32" else PARAM_DTYPES[self.spec.param_dtype]
+
 
 CASES = [
     Case("ddp", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1}, bucket_mb=0.05,
@@ -57,6 +66,11 @@ CASES = [
     # fp16 rounding of the gradient all-reduce: parity only to fp16 precision.
     Case("ddp_fp16", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
                                   compression="fp16"), accum=1, tolerance=5e-4, checkpoint=False),
+    # torchtitan's mixed precision: bf16 all-gathers under bf16 autocast, fp32 reduce-scatter
+    # and fp32 master weights. Compared with a bf16-autocast single process, so the gap is
+    # the rounding of weights autocast leaves in fp32 (LayerNorm, embedding), not the sharding.
+    Case("zero3_bf16", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 4, "tp": 1}, param_dtype="bf16"),
+         accum=2, tolerance=1e-2),
 ]
 
 
@@ -83,7 +97,11 @@ def fresh_model(seed: int = 0) -> GPT:
     return GPT(CFG)
 
 
-def reference(accum: int) -> dict[str, list[float]]:
+def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def reference(accum: int, autocast: torch.dtype | None = None) -> dict[str, list[float]]:
     """Single-process training on the whole global batch: the trajectory every strategy must match."""
     model = fresh_model()
     opt = make_optimizer(model)
@@ -91,7 +109,8 @@ def reference(accum: int) -> dict[str, list[float]]:
     for step in batches(accum):
         total = 0.0
         for x, y in step:
-            loss = model(x, y) / accum
+            with _autocast(autocast):
+                loss = model(x, y) / accum
             loss.backward()
             total += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -101,14 +120,16 @@ def reference(accum: int) -> dict[str, list[float]]:
     return {"losses": losses, "norms": norms}
 
 
-def _train_step(par, step: torch.Tensor, accum: int, dp_rank: int, dp_world: int) -> tuple[float, float]:
+def _train_step(par, step: torch.Tensor, case: Case, dp_rank: int, dp_world: int) -> tuple[float, float]:
     share = GLOBAL_MICRO_BATCH // dp_world
+    accum = case.accum
     local = torch.zeros(())
     for i, (x, y) in enumerate(step):
         x, y = x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share]
         ctx = par.no_sync() if i < accum - 1 else contextlib.nullcontext()
         with ctx:
-            loss = par.model(x, y) / accum
+            with _autocast(case.autocast):
+                loss = par.model(x, y) / accum
             loss.backward()
         local += loss.detach()
     norm = par.clip_grad_norm_(MAX_NORM)
@@ -132,14 +153,31 @@ def _restore(case: Case, mesh, ckpt: str):
     return restored
 
 
+def _compute_dtypes(model: torch.nn.Module) -> set[str]:
+    """Record the dtype of every weight as the layers compute with it (after FSDP2 gathered it)."""
+    seen: set[str] = set()
+
+    def note(module: torch.nn.Module, _args: object) -> None:
+        seen.update(str(p.dtype) for p in module.parameters(recurse=False))
+
+    for m in model.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            m.register_forward_pre_hook(note)
+    return seen
+
+
 def _run_case(case: Case, ckpt_root: str) -> dict:
     mesh = build_mesh(case.spec, "cpu")
     dp_rank, dp_world = data_parallel_rank(mesh)
     par = parallelize(fresh_model(), case.spec, mesh, make_optimizer, torch.device("cpu"))
+    compute_dtypes = _compute_dtypes(par.model)
+    policies = sorted({(str(pol.param_dtype), str(pol.reduce_dtype))
+                       for pol in (m._get_fsdp_state()._mp_policy for m in par.model.modules()
+                                   if isinstance(m, FSDPModule))})
     data = batches(case.accum)
     losses, norms = [], []
     for step in data[:-1]:
-        loss, norm = _train_step(par, step, case.accum, dp_rank, dp_world)
+        loss, norm = _train_step(par, step, case, dp_rank, dp_world)
         losses.append(loss)
         norms.append(norm)
         par.optimizer.zero_grad(set_to_none=True)
@@ -148,17 +186,19 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
     # The replica must take the last step exactly as the trained model does.
     restored = _resume(case, par, mesh, os.path.join(ckpt_root, case.name)) if case.checkpoint else None
     other = _restore(case, mesh, os.path.join(ckpt_root, case.resume_from)) if case.resume_from else None
-    loss, norm = _train_step(par, data[-1], case.accum, dp_rank, dp_world)
+    loss, norm = _train_step(par, data[-1], case, dp_rank, dp_world)
     losses.append(loss)
     norms.append(norm)
-    resumed_loss = _train_step(restored, data[-1], case.accum, dp_rank, dp_world)[0] if restored else None
-    resharded_loss = _train_step(other, data[-1], case.accum, dp_rank, dp_world)[0] if other else None
+    resumed_loss = _train_step(restored, data[-1], case, dp_rank, dp_world)[0] if restored else None
+    resharded_loss = _train_step(other, data[-1], case, dp_rank, dp_world)[0] if other else None
 
     all_states: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_states, state)
     return {"losses": losses, "norms": norms, "resumed_loss": resumed_loss,
             "resharded_loss": resharded_loss,
-            "state_bytes": all_states, "notes": par.notes}
+            "state_bytes": all_states, "notes": par.notes,
+            "compute_dtypes": sorted(compute_dtypes), "mp_policies": policies,
+            "sharded_dtypes": sorted({str(p.dtype) for p in par.model.parameters()})}
 
 
 def run_rank(rank: int, init_file: str, out_file: str, names: list[str]) -> None:

@@ -3,7 +3,8 @@
 One launch of 4 gloo ranks runs all cases (see tests/_parity_worker.py); each case is
 compared with a single-process reference: loss and clipped gradient norm per step, the
 per-rank model-state bytes the strategy should hold, and a DCP save/restore that must
-resume bit-for-bit.
+resume bit-for-bit. The bf16 case (FSDP2 gathering bf16 weights under bf16 autocast) is
+compared with a single process under the same autocast.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 
 import _parity_worker as pw
 from orchestrator.errors import PlanError
-from orchestrator.runtime.parallelize import ParallelSpec
+from orchestrator.runtime.parallelize import ParallelSpec, param_dtype_for
 from orchestrator.runtime.tensor_parallel import BLOCK_PLAN_NAMES, apply_tensor_parallel
 
 CASES = {c.name: c for c in pw.CASES}
@@ -33,9 +34,14 @@ def results(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references() -> dict[int, dict[str, list[float]]]:
+def references() -> dict[tuple[int, torch.dtype | None], dict[str, list[float]]]:
+    """Single-process trajectories by (accum, autocast dtype)."""
     torch.set_num_threads(1)
-    return {accum: pw.reference(accum) for accum in {c.accum for c in pw.CASES}}
+    return {key: pw.reference(*key) for key in {(c.accum, c.autocast) for c in pw.CASES}}
+
+
+def _reference(references: dict, case: pw.Case) -> dict[str, list[float]]:
+    return references[(case.accum, case.autocast)]
 
 
 def test_reference_learns_and_clips(references) -> None:
@@ -47,7 +53,7 @@ def test_reference_learns_and_clips(references) -> None:
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.tolerance <= 1e-5])
 def test_loss_and_grad_norm_match_single_process(name, results, references) -> None:
-    case, got, ref = CASES[name], results[name], references[CASES[name].accum]
+    case, got, ref = CASES[name], results[name], _reference(references, CASES[name])
     assert len(got["losses"]) == pw.STEPS >= 5
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert abs(a - b) <= case.tolerance, f"{name} step {step}: loss {a} vs single process {b}"
@@ -56,7 +62,7 @@ def test_loss_and_grad_norm_match_single_process(name, results, references) -> N
 
 
 def test_fp16_compression_is_applied_and_close(results, references) -> None:
-    got, ref = results["ddp_fp16"], references[CASES["ddp_fp16"].accum]
+    got, ref = results["ddp_fp16"], _reference(references, CASES["ddp_fp16"])
     diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
     # fp16 all-reduce rounds the gradients: visibly different, but only at fp16 precision.
     assert max(diffs) > 1e-6
@@ -70,6 +76,46 @@ def test_bf16_on_gloo_is_skipped_with_a_note(results) -> None:
     assert all(not results[n]["notes"] for n in CASES if n != "zero2")
 
 
+def test_bf16_gathers_track_a_bf16_autocast_single_process(results, references) -> None:
+    case, got = CASES["zero3_bf16"], results["zero3_bf16"]
+    ref = _reference(references, case)
+    # Sharding must not add to what bf16 autocast already rounds: the loss stays within
+    # 1e-2 (0.25% of a loss near 4) of one process under the same autocast, every step.
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        assert abs(a - b) <= case.tolerance, f"step {step}: loss {a} vs bf16-autocast single process {b}"
+    # Gradients are computed against bf16 weights, so their norm only tracks to a few percent.
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        assert abs(a - b) <= 0.1 * b, f"step {step}: grad norm {a} vs bf16-autocast single process {b}"
+    # And the run really is mixed precision: it left the fp32 trajectory, which every fp32
+    # strategy follows to 1e-5.
+    fp32 = references[(case.accum, None)]["losses"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], fp32)) > 1e-5
+
+
+@pytest.mark.parametrize("name", [c.name for c in pw.CASES])
+def test_fsdp2_gathers_weights_in_the_spec_param_dtype(name, results) -> None:
+    case, got = CASES[name], results[name]
+    fsdp2 = case.spec.strategy not in ("ddp", "zero1") or case.spec.mesh["tp"] > 1
+    gathered = str(pw.PARAM_DTYPES[case.spec.param_dtype] if fsdp2 else torch.float32)
+    # What the layers multiply with inside forward: FSDP2's all-gathered weights, DDP's own.
+    assert got["compute_dtypes"] == [gathered]
+    # Master weights, and so the optimizer's states and the checkpoint, stay fp32.
+    assert got["sharded_dtypes"] == ["torch.float32"]
+    if fsdp2:
+        # Gradients reduce in fp32 (bf16 compression is skipped on gloo) whatever is gathered.
+        assert got["mp_policies"] == [[gathered, "torch.float32"]]
+    else:
+        assert got["mp_policies"] == []
+
+
+def test_param_dtype_follows_the_autocast_dtype() -> None:
+    assert param_dtype_for(None) == "fp32"
+    assert param_dtype_for(torch.bfloat16) == "bf16"
+    assert param_dtype_for(torch.float16) == "fp16"
+    with pytest.raises(ValueError, match="autocast dtype must be one of"):
+        param_dtype_for(torch.float64)
+
+
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.checkpoint])
 def test_dcp_checkpoint_resumes_exactly(name, results) -> None:
     got = results[name]
@@ -81,7 +127,7 @@ def test_dcp_checkpoint_reshards_across_strategies(name, results, references) ->
     # A checkpoint written under another strategy and mesh continues the same trajectory.
     case = CASES[name]
     assert CASES[case.resume_from].accum == case.accum
-    assert abs(results[name]["resharded_loss"] - references[case.accum]["losses"][-1]) <= case.tolerance
+    assert abs(results[name]["resharded_loss"] - _reference(references, case)["losses"][-1]) <= case.tolerance
 
 
 def _is_tp_sharded(param_name: str) -> bool:
@@ -135,6 +181,7 @@ def test_zero3_holds_a_quarter_of_the_model(results) -> None:
         ({"mesh": {"dp_replicate": 0, "dp_shard": 1, "tp": 1}}, "axis dp_replicate must be a positive integer"),
         ({"compression": "int8"}, "compression must be one of none, fp16, bf16, powersgd; got 'int8'"),
         ({"recompute": "some"}, "recompute must be one of none, selective, full; got 'some'"),
+        ({"param_dtype": "int8"}, "param_dtype must be one of fp32, bf16, fp16; got 'int8'"),
         ({"bucket_mb": 0}, "bucket_mb must be positive"),
         (
             {"mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.planning.comm import all_gather, bus_factor, reduce_scatter, ring_all_reduce, tree_all_reduce
-from orchestrator.planning.memory import byte_layout, model_states, rank_memory
+from orchestrator.planning.memory import ZERO_MIXED_PRECISION, byte_layout, model_states, rank_memory
 from orchestrator.planning.model_math import (
     ModelShape,
     activation_bytes_per_layer,
@@ -73,14 +73,48 @@ def test_activation_bytes_follow_korthikanti():
 @pytest.mark.parametrize("strategy,gb", [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.88)])
 def test_zero_table_1(strategy, gb):
     # Rajbhandari et al. 2020, Table 1: 7.5B parameters, 64 GPUs, fp16 mixed precision (K=12).
-    w, g, k = model_states(strategy, 7.5e9, 64, byte_layout("fp16"))
+    w, g, k = model_states(strategy, 7.5e9, 64, ZERO_MIXED_PRECISION)
     assert (w + g + k) / 1e9 == pytest.approx(gb, rel=0.01)
 
 
-def test_runtime_byte_layouts():
-    assert (lambda l: (l.weights, l.grads, l.optimizer))(byte_layout("auto")) == (4, 4, 8)
-    assert (lambda l: (l.weights, l.grads, l.optimizer))(byte_layout("bf16", "cpu")) == (4, 4, 8)
-    assert byte_layout("auto", "cpu").activation == 4 and byte_layout("bf16").activation == 2
+@pytest.mark.parametrize(
+    "precision,device,half,activation,gathered",
+    [("auto", "gpu", "bf16", 2, 2), ("bf16", "gpu", "bf16", 2, 2), ("fp16", "gpu", "fp16", 2, 2),
+     ("fp32", "gpu", None, 4, 4), ("auto", "cpu", None, 4, 4), ("fp32", "cpu", None, 4, 4),
+     ("bf16", "cpu", "bf16", 2, 2)],
+)
+def test_runtime_byte_layouts(precision, device, half, activation, gathered):
+    # fp32 master weights, gradients and Adam moments always; 16-bit autocast (bf16/fp16, or
+    # auto on GPU, as the runtime's resolve_precision) makes the activations and FSDP2's
+    # gathered weights (its param_dtype) 2 bytes.
+    lay = byte_layout(precision, device)
+    assert (lay.weights, lay.grads, lay.optimizer) == (4, 4, 8)
+    assert (lay.half, lay.activation, lay.compute) == (half, activation, gathered)
+
+
+def test_unknown_precision_is_rejected():
+    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp16, fp32, got 'fp8'"):
+        byte_layout("fp8", "cpu")
+
+
+def test_bf16_fsdp_gathers_and_holds_half_the_bytes_of_fp32():
+    from orchestrator.planning.memory import runtime_states
+    from orchestrator.planning.model_math import param_count
+
+    shape = ModelShape(layers=12, hidden=768, heads=12, vocab=50304, seq=1024)
+    psi, n = param_count(shape), 8
+    bf16, fp32 = byte_layout("bf16"), byte_layout("fp32")
+    for strategy in ("zero2", "zero3", "hsdp"):
+        half, full = runtime_states(strategy, shape, 1, n, bf16), runtime_states(strategy, shape, 1, n, fp32)
+        # The fp32 shards (master weights, gradients, Adam) are the same bytes...
+        assert (half.params, half.grads, half.optimizer) == (full.params, full.grads, full.optimizer)
+        assert half.params + half.grads + half.optimizer == pytest.approx(16 * psi / n)
+        # ...while what FSDP2 gathers, and the gradients autograd computes for it, halve.
+        assert half.gathered == pytest.approx(full.gathered / 2)
+        assert half.unsharded_grads == pytest.approx(full.unsharded_grads / 2)
+    assert runtime_states("zero2", shape, 1, n, bf16).gathered == pytest.approx(2 * psi)
+    # DDP and ZeRO-1 keep fp32 weights under autocast and gather nothing.
+    assert runtime_states("ddp", shape, 1, n, bf16) == runtime_states("ddp", shape, 1, n, fp32)
 
 
 def test_rank_memory_shrinks_with_sharding_and_recompute():
@@ -155,3 +189,58 @@ def test_gloo_collectives_follow_torch_process_group_gloo():
     # The CPU's reduction is part of the cost: slower memory, slower all-reduce.
     assert gloo_all_reduce(n, 2, bw, lat, 5.0) > ar
     assert gloo_all_reduce(n, 1, bw, lat, mem) == 0.0 == gloo_all_gather(0, 4, bw, lat, mem)
+
+
+def _h100_job(precision: str):
+    """(JobContext, topology) of a 1.3B GPT with 64 sequences per step on one 8-GPU H100 node."""
+    from pathlib import Path
+
+    from orchestrator.config import load_config
+    from orchestrator.planning.describe import describe_cluster
+    from orchestrator.planning.plan import job_context
+    from orchestrator.topology.files import load_topology_file
+    from orchestrator.topology.model import Network
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "topology" / "topo_h100_8gpu_mlengineering.txt"
+    node = load_topology_file(fixture, "H100")
+    topo = describe_cluster(node, 1, Network(bandwidth_gbps=50.0, latency_us=10.0), "H100")
+    model = ["model.n_layer=24", "model.n_head=16", "model.n_embd=2048", "model.vocab_size=50304",
+             "model.block_size=2048", "train.global_batch_size=64", f"train.precision={precision}"]
+    return job_context(load_config(None, model), topo), topo
+
+
+def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
+    from orchestrator.planning.cost import Choice, estimate
+    from orchestrator.planning.layout import Wirings, cluster_layout
+
+    ctx, topo = _h100_job("bf16")
+    cl = cluster_layout(Wirings.of(topo), (1, 4, 2))
+    z1, z2 = (estimate(ctx, cl, Choice(s, (1, 4, 2), micro_batch=1, recompute="none")) for s in ("zero1", "zero2"))
+    assert z1.comm_parts == z2.comm_parts and z1.memory == z2.memory
+    assert z1.comm_parts["param all-gather"] > 0
+
+
+# All-gathers of the whole model and reduce-scatters of all gradients per step, for 8
+# micro-steps: zero2 gathers once and keeps the weights; zero3 gathers for forward and backward.
+@pytest.mark.parametrize("strategy,gathers,scatters", [("zero2", 1, 8), ("zero3", 16, 8)])
+def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(strategy, gathers, scatters):
+    from orchestrator.planning.cost import Choice, estimate
+    from orchestrator.planning.layout import Wirings, cluster_layout
+
+    jobs = {p: _h100_job(p) for p in ("bf16", "fp32")}
+    cl = cluster_layout(Wirings.of(jobs["fp32"][1]), (1, 8, 1))
+    choice = Choice(strategy, (1, 8, 1), micro_batch=1, recompute="none")
+    est = {p: estimate(ctx, cl, choice) for p, (ctx, _) in jobs.items()}
+    # Weights cross the wire in FSDP2's param_dtype: half the all-gather bytes under bf16...
+    assert est["bf16"].comm_parts["param all-gather"] < 0.55 * est["fp32"].comm_parts["param all-gather"]
+    # ...and the same (fp32) gradient reduce-scatter, whose ring time is bytes over bandwidth:
+    # the all-gather of 2 bytes per parameter costs about half the reduce-scatter of 4.
+    rs, ag = est["bf16"].comm_parts["grad reduce-scatter"], est["bf16"].comm_parts["param all-gather"]
+    assert rs == pytest.approx(est["fp32"].comm_parts["grad reduce-scatter"])
+    assert ag / gathers == pytest.approx(rs / scatters / 2, rel=0.05)
+    # Memory: fp32 shards of 16 bytes per parameter either way; bf16 gathers make the buffers smaller.
+    psi = jobs["bf16"][0].params
+    for p in ("bf16", "fp32"):
+        m = est[p].memory
+        assert m.params + m.grads + m.optimizer == pytest.approx(16 * psi / 8, rel=1e-6)
+    assert est["bf16"].memory.buffers < est["fp32"].memory.buffers

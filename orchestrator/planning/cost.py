@@ -106,6 +106,9 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     p_rank = params_per_tp_rank(shape, tp)
     block = block_params(shape) / tp
     shard_group = 1 if c.strategy == "ddp" else shard
+    # ZeroRedundancyOptimizer cannot hold DTensor shards, so with tensor parallelism the
+    # runtime runs zero1 as zero2 (FSDP2, weights gathered in the autocast dtype): price that.
+    wrapping = "zero2" if c.strategy == "zero1" and tp > 1 else c.strategy
 
     # Compute: the job's hardware FLOPs split evenly over the ranks.
     flops = flops_per_step(shape, ctx.global_batch, c.recompute) / world
@@ -136,11 +139,11 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     overlap = ctx.on_gpu
     exposed = tp_s
     schedule = "none (one data-parallel rank)"
-    if c.strategy in ("ddp", "zero1"):
-        axis = "dp_replicate" if c.strategy == "ddp" else "dp_shard"
+    if wrapping in ("ddp", "zero1"):
+        axis = "dp_replicate" if wrapping == "ddp" else "dp_shard"
         gl = group_links(ctx, cl, axis)
         bucket_mb = c.bucket_mb or auto_bucket_mb(grad_bytes, gl.size, gl.flat_gbps, gl.flat_lat_us)
-        if c.strategy == "ddp":
+        if wrapping == "ddp":
             red, schedule = group_all_reduce(grad_bytes, gl, c.algorithm)
             tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, c.algorithm)
             parts["grad all-reduce"] = red
@@ -160,7 +163,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         gather_w = p_rank * lay.compute
         ag = group_all_gather(gather_w, gl)
         ag_block = group_all_gather(block * lay.compute, gl)
-        if c.strategy == "zero2":
+        if wrapping == "zero2":
             # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
             parts["grad reduce-scatter"], parts["param all-gather"] = accum * rs, ag
             exposed += accum * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap else accum * rs + ag
@@ -172,7 +175,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             else:
                 exposed += accum * (2 * ag + rs)
         schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
-        if c.strategy == "hsdp":
+        if wrapping == "hsdp":
             rl = group_links(ctx, cl, "dp_replicate")
             ar, sched = group_all_reduce(grad_bytes / shard, rl, c.algorithm)
             parts["replica all-reduce"] = ar
@@ -183,6 +186,6 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=algorithm, compression=c.compression,
                     grad_accum_steps=accum, overlap=overlap)
     mem = rank_memory(c.strategy, shape, tp, shard_group, c.micro_batch, c.recompute, lay,
-                      bucket_mb * MB if c.strategy in ("ddp", "zero1") else 0.0, ctx.on_gpu)
+                      bucket_mb * MB if wrapping in ("ddp", "zero1") else 0.0, ctx.on_gpu)
     return Estimate(choice=c, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=min(exposed, comm_s),
                     sync=sync, comm_parts=parts, schedule=schedule)

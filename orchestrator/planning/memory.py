@@ -10,6 +10,11 @@ in one place: the runtime's zero2 is FSDP2 with reshard_after_forward=False, whi
 weight *shard* at rest (w Psi/N) and holds the gathered weights only from each unit's forward
 until its backward, as transient buffers. DeepSpeed's ZeRO-2, which the paper measures, keeps
 the full 16-bit weights at rest.
+
+The runtime's mixed precision is torchtitan's, not the paper's: fp32 weights, gradients and
+Adam moments (4 + 4 + 8 bytes) under 16-bit autocast, with FSDP2 all-gathering weights in the
+autocast dtype (2 bytes) and reduce-scattering gradients in fp32. `ZERO_MIXED_PRECISION` is the
+paper's layout (2 + 2 + 12), kept for its tables.
 """
 
 from __future__ import annotations
@@ -44,24 +49,34 @@ class ByteLayout:
     activation: int
     """Bytes of one stored activation value (2 under 16-bit autocast, 4 in fp32)."""
     compute: int
-    """Bytes of a weight as all-gathered for compute by FSDP (its param_dtype)."""
+    """Bytes of a weight as FSDP2 all-gathers it for compute (its param_dtype), and of the
+    gradient autograd computes for that gathered weight."""
+    half: str | None = None
+    """The 16-bit dtype autocast computes in (bf16 | fp16); None for fp32 runs."""
+
+
+ZERO_MIXED_PRECISION = ByteLayout("fp16 weights and gradients, fp32 master weights and Adam moments (ZeRO)",
+                                  2, 2, 12, 2, 2, "fp16")
+"""Rajbhandari et al. 2020's mixed precision (their K=12), as DeepSpeed keeps it."""
 
 
 def byte_layout(precision: str, device_kind: str = "gpu") -> ByteLayout:
     """The byte layout the runtime keeps for `train.precision` on this kind of device.
 
-    `auto`/`bf16` on GPU: fp32 weights and gradients with bf16 autocast, Adam moments in fp32
-    (4 + 4 + 8). `fp16`: the ZeRO paper's mixed precision, fp16 weights and gradients plus
-    fp32 master weights and moments (2 + 2 + 12). `fp32`, and any run on CPU: 4 + 4 + 8.
+    `bf16`/`fp16`, and `auto` on GPU: fp32 weights, gradients and Adam moments (4 + 4 + 8)
+    under 16-bit autocast, with 16-bit activations and 16-bit FSDP2 gathers. `fp32`, and `auto`
+    on CPU: 4 + 4 + 8 with fp32 activations and gathers. This is the runtime's
+    `resolve_precision`: only `auto` means fp32 on CPU.
     """
-    if device_kind == "cpu" or precision == "fp32":
+    if precision not in ("auto", "bf16", "fp16", "fp32"):
+        raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
+    if precision == "fp32" or (precision == "auto" and device_kind == "cpu"):
         return ByteLayout("fp32 weights, gradients and Adam moments", 4, 4, 8, 4, 4)
-    if precision == "fp16":
-        return ByteLayout("fp16 weights and gradients, fp32 master weights and Adam moments", 2, 2, 12, 2, 2)
-    if precision in ("auto", "bf16"):
-        # FSDP2 runs without a param_dtype (autocast casts per op), so it gathers fp32 weights.
-        return ByteLayout("fp32 weights and gradients, Adam moments in fp32, bf16 autocast", 4, 4, 8, 2, 4)
-    raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
+    half = "fp16" if precision == "fp16" else "bf16"
+    # The runtime gives FSDP2 the autocast dtype as param_dtype (torchtitan's policy), so the
+    # gathered weights and the all-gather are 16-bit; the fp32 shards are the master weights.
+    return ByteLayout(f"fp32 master weights, gradients and Adam moments; {half} autocast and FSDP2 gathers",
+                      4, 4, 8, 2, 2, half)
 
 
 @dataclass
@@ -120,9 +135,10 @@ class StateBytes:
     optimizer: float
     """Adam moments (and master weights) of the parameters this rank steps."""
     gathered: float
-    """Weights FSDP2 holds unsharded at the peak, on top of `params` (transient)."""
+    """Weights FSDP2 holds unsharded (in its param_dtype) at the peak, on top of `params` (transient)."""
     unsharded_grads: float
-    """Gradients FSDP2 holds unsharded at the peak before reduce-scattering them (transient)."""
+    """Gradients FSDP2 holds unsharded (in its param_dtype) at the peak before reduce-scattering
+    them (transient)."""
 
 
 def runtime_strategy(strategy: str, tp: int) -> str:
@@ -143,7 +159,8 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     gradient lives until its reduce-scatter. zero2 (reshard_after_forward=False) keeps every
     block's gathered weights from its forward until its backward, so at the start of backward
     all of them exist at once; zero3 and hsdp re-gather per block and hold the block being
-    computed plus the one being prefetched.
+    computed plus the one being prefetched. Gathered weights and their unsharded gradients are
+    in the layout's `compute` dtype (FSDP2's param_dtype); the shards are fp32.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -163,7 +180,7 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
         gathered = p * layout.compute
     else:
         gathered = (root + min(FSDP_PREFETCH_BLOCKS, shape.layers) * per_block) * layout.compute
-    return StateBytes(w, g, k, gathered, (root + per_block) * layout.grads)
+    return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute)
 
 
 def buffer_bytes(

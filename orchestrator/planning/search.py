@@ -136,11 +136,12 @@ def _meshes(strategy: str, world: int, g: int, n_head: int, cons: Constraints) -
     return out
 
 
-def _compressions(strategy: str, ctx: JobContext) -> list[str]:
-    """Lossy gradient compressions worth trying: 16-bit only when gradients travel in fp32;
-    PowerSGD is a DDP comm hook, so only where DDP reduces the gradients."""
-    out = ["bf16" if ctx.layout.weights != 2 else "fp16"] if ctx.layout.grads > 2 else []
-    if strategy in ("ddp", "zero1"):
+def _compressions(strategy: str, tp: int, ctx: JobContext) -> list[str]:
+    """Lossy gradient compressions worth trying: 16-bit (the autocast dtype, bf16 for fp32 runs)
+    only when gradients travel in fp32; PowerSGD is a DDP comm hook, so only where DDP reduces
+    the gradients (ddp and zero1 without tensor parallelism, which the runtime runs as FSDP2)."""
+    out = [ctx.layout.half or "bf16"] if ctx.layout.grads > 2 else []
+    if strategy in ("ddp", "zero1") and tp == 1:
         out.append("powersgd")
     return out
 
@@ -200,7 +201,8 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
                 if cons.compression is None and ctx.on_gpu and cons.allow_compression \
                         and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s:
                     tries = [estimate(ctx, cl, Choice(strategy, mesh, best.choice.micro_batch, best.choice.recompute, comp,
-                                                      cons.algorithm, cons.bucket_mb)) for comp in _compressions(strategy, ctx)]
+                                                      cons.algorithm, cons.bucket_mb))
+                             for comp in _compressions(strategy, mesh[2], ctx)]
                     evaluated += len(tries)
                     best = min([best] + [t for t in tries if t.fits(ctx.usable_bytes)], key=lambda e: e.total_s)
                 per_mesh.append((best, True, cl))

@@ -4,6 +4,10 @@ The plan names one compression (none | fp16 | bf16 | powersgd). DDP gets torch's
 hooks; FSDP2 has no hook API, so fp16/bf16 become its ``MixedPrecisionPolicy.reduce_dtype``
 and PowerSGD (a low-rank all-reduce) has no FSDP2 counterpart. Every fallback is returned
 as a note so the run records that it did something other than the plan.
+
+:func:`fsdp_policy` is the whole FSDP2 mixed-precision policy, as torchtitan builds it:
+weights all-gathered in the compute dtype (``param_dtype``), gradients reduced in fp32
+unless the compression asks for 16 bits, sharded weights and optimizer state in fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""What FSDP2 may all-gather weights in (its ``param_dtype``), by the name plans use."""
 
 
 def _bf16_unsupported(group: dist.ProcessGroup) -> str | None:
@@ -72,3 +78,22 @@ def fsdp_reduce_policy(compression: str, group: dist.ProcessGroup) -> tuple[Mixe
             "sharded gradients, which a low-rank all-reduce cannot express"
         ]
     return MixedPrecisionPolicy(), []
+
+
+def fsdp_policy(param_dtype: str, compression: str, group: dist.ProcessGroup) -> tuple[MixedPrecisionPolicy, list[str]]:
+    """FSDP2 policy gathering weights in `param_dtype` and reducing gradients in fp32, or in
+    the 16-bit dtype `compression` names; plus the notes of :func:`fsdp_reduce_policy`.
+
+    Gradients are computed in `param_dtype`, so fp32 reduction is what keeps a bf16
+    all-gather from also rounding the sum over ranks (torchtitan's default). FSDP2 casts the
+    reduced shard back to the fp32 sharded parameter's dtype, so the optimizer steps fp32
+    master weights either way; output_dtype stays unset because autocast decides the
+    activations' dtype.
+    """
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {', '.join(PARAM_DTYPES)}, got {param_dtype!r}")
+    reduce, notes = fsdp_reduce_policy(compression, group)
+    return MixedPrecisionPolicy(
+        param_dtype=PARAM_DTYPES[param_dtype],
+        reduce_dtype=reduce.reduce_dtype or torch.float32,
+    ), notes

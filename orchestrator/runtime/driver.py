@@ -112,7 +112,9 @@ def run_job(
         except WorkerFailure as f:
             found = latest_whole_checkpoint(ckpt_dir, console)
             if found is None and resume_from:
-                found = (resume_from, int(_read_meta(resume_from)["step"]))
+                from . import checkpoint
+
+                found = (resume_from, int(checkpoint.verify(resume_from)["step"]))
             resume, resume_step = found if found else (None, 0)
             restart = {
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -148,12 +150,6 @@ def run_job(
     run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan['strategy']} on {plan['world_size']} workers"))
     _print_summary(console, summary, run)
     return summary
-
-
-def _read_meta(path: str) -> dict[str, Any]:
-    from . import checkpoint
-
-    return checkpoint.verify(path)
 
 
 def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str, resume: str | None):
@@ -192,7 +188,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
                 ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
-        for note in setups[0]["notes"]:
+        for note in _notes(setups):
             console.print(f"[yellow]note:[/] {escape(note)}")
         start = setups[0]["start_step"]
         if resume:
@@ -202,6 +198,11 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     finally:
         placement.release()
     return plan, setups, finals, placement.reports
+
+
+def _notes(setups: list[dict[str, Any]]) -> list[str]:
+    """Every rank's notes, each said once, in rank order."""
+    return list(dict.fromkeys(n for s in setups for n in s["notes"]))
 
 
 def _cpu_affinity(plan: dict[str, Any], topology) -> list[str | None]:
@@ -325,7 +326,7 @@ def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -
         "measured": {"step_s": measured_step, "exposed_comm_s": _steady_mean(
                          [r["exposed_comm_s"] for r in state.rows if r.get("exposed_comm_s") is not None]),
                      "model_state_bytes_per_rank": measured_mem},
-        "notes": setups[0]["notes"],
+        "notes": _notes(setups),
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
         "restarts": state.restarts,

@@ -13,9 +13,16 @@ hsdp      FSDP2 over the 2-D (dp_replicate, dp_shard) mesh: shard inside, replic
 
 With ``tp > 1`` the blocks are first split with DTensor tensor parallelism and the data
 parallelism is FSDP2 over the dp axes (2-D / 3-D composition, as torchtitan does).
+
 For ddp, zero1, zero2 and zero3 the split of the data-parallel ranks between dp_replicate
 and dp_shard does not change the strategy: they use all R*S data-parallel ranks as one
 group. Only hsdp gives the two axes different roles.
+
+Mixed precision follows torchtitan too: every FSDP2 unit gets a ``MixedPrecisionPolicy``
+that all-gathers weights in the spec's ``param_dtype`` (the dtype autocast computes in) and
+reduce-scatters gradients in fp32, so a bf16 run moves and holds half the bytes of gathered
+weights while master weights and optimizer state stay fp32 shards. DDP and ZeRO-1 replicate
+the fp32 weights and leave the casting to autocast.
 
 This module imports torch only; the Ray worker calls it after ``init_process_group``.
 """
@@ -40,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.errors import PlanError
-from orchestrator.runtime.comm_hooks import COMPRESSIONS, fsdp_reduce_policy, register_ddp_compression
+from orchestrator.runtime.comm_hooks import COMPRESSIONS, PARAM_DTYPES, fsdp_policy, register_ddp_compression
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -65,6 +72,9 @@ class ParallelSpec:
     """Activation recomputation: none | selective (attention only) | full (whole block)."""
     static_graph: bool = False
     """DDP static_graph: the set of used parameters is the same every step (ddp, zero1)."""
+    param_dtype: str = "fp32"
+    """fp32 | bf16 | fp16: the dtype FSDP2 all-gathers weights in and computes gradients in,
+    the run's autocast dtype (FSDP2 strategies only; DDP and ZeRO-1 keep fp32 weights)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -79,6 +89,10 @@ class ParallelSpec:
             raise PlanError(f"parallel bucket_mb must be positive; got {self.bucket_mb!r}")
         if self.compression not in COMPRESSIONS:
             raise PlanError(f"parallel compression must be one of {', '.join(COMPRESSIONS)}; got {self.compression!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise PlanError(
+                f"parallel param_dtype must be one of {', '.join(PARAM_DTYPES)}; got {self.param_dtype!r}"
+            )
         if self.recompute not in RECOMPUTES:
             raise PlanError(f"parallel recompute must be one of {', '.join(RECOMPUTES)}; got {self.recompute!r}")
         if self.strategy == "ddp" and self.mesh["tp"] > 1 and self.mesh["dp_shard"] > 1:
@@ -90,6 +104,21 @@ class ParallelSpec:
     @property
     def world_size(self) -> int:
         return self.mesh["dp_replicate"] * self.mesh["dp_shard"] * self.mesh["tp"]
+
+
+def param_dtype_for(autocast: torch.dtype | None) -> str:
+    """The ``ParallelSpec.param_dtype`` of a run whose forward autocasts to `autocast` (None: fp32).
+
+    FSDP2 then gathers weights in the dtype autocast would cast them to anyway: the linear
+    layers multiply the same 16-bit weights and the all-gather moves half the bytes.
+    """
+    if autocast is None:
+        return "fp32"
+    for name, dtype in PARAM_DTYPES.items():
+        if autocast == dtype:
+            return name
+    allowed = ", ".join(map(str, PARAM_DTYPES.values()))
+    raise ValueError(f"autocast dtype must be one of {allowed} or None; got {autocast}")
 
 
 def build_mesh(spec: ParallelSpec, device_type: str) -> DeviceMesh:
@@ -369,7 +398,7 @@ def parallelize(
     else:
         dp_mesh = _dp_mesh(mesh)
         reshard = strategy == "zero3"
-    policy, policy_notes = fsdp_reduce_policy(spec.compression, _dp_mesh(mesh).get_group())
+    policy, policy_notes = fsdp_policy(spec.param_dtype, spec.compression, _dp_mesh(mesh).get_group())
     notes += policy_notes
     for block in getattr(model, "h", ()):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import JobConfig
 from ..workloads.data import TextData, load_tokens
 from ..workloads.gpt import GPT, GPTConfig, param_groups
-from .parallelize import ParallelSpec, Parallelized, build_mesh, data_parallel_rank, parallelize
+from .parallelize import Parallelized, ParallelSpec, build_mesh, data_parallel_rank, parallelize, param_dtype_for
 from .schedule import lr_at
 
 
@@ -66,6 +66,7 @@ class Trainer:
             bucket_mb=float(sync["bucket_mb"]),
             compression=sync["compression"],
             recompute=plan.get("recompute", "none"),
+            param_dtype=param_dtype_for(resolve_precision(cfg.train.precision, device.type)),
         )
         self.mesh = build_mesh(self.spec, device.type)
         self.dp_rank, self.dp_world = data_parallel_rank(self.mesh)
