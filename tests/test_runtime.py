@@ -228,3 +228,13 @@ def test_worker_pins_to_the_cpus_near_its_gpu_and_never_widens(tmp_path):
                          check=True).stdout
     before = sorted(os.sched_getaffinity(0))
     assert out.startswith(f"{before} {before} ['rank 3: none of the CPUs near its GPU (100000-100003)")
+
+
+def test_fp16_trains_with_loss_scaling_and_is_refused_where_it_cannot(cluster, tmp_path):
+    from orchestrator.errors import PlanError
+
+    _, summary, _ = _run(tmp_path, "train.precision=fp16", "train.max_steps=6", "train.eval_interval=3")
+    assert summary["strategy"] == "ddp"  # the planner keeps fp16 where loss scaling runs
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+    with pytest.raises(PlanError, match="train.precision=fp16 needs loss scaling"):
+        _run(tmp_path, "train.precision=fp16", "parallel.strategy=zero2", "train.max_steps=2")

@@ -171,7 +171,9 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> tuple[
     if not on_gpu:
         memory = min(topo.nodes[0].devices[0].memory_bytes or _host_memory_per_slot(topo.nodes[0].num_devices), memory or 1 << 62)
     speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory)
-    precision = cfg.train.precision if on_gpu else "fp32"
+    # As the runtime resolves it: `auto` is bf16 autocast on GPU and fp32 on CPU; an explicit
+    # bf16/fp16 autocasts on CPU too (byte_layout knows both).
+    precision = cfg.train.precision
     net_gbps = topo.network.bandwidth_gbps
     net_lat = topo.network.latency_us
     if cfg.cluster.inter_node_gbps is not None:

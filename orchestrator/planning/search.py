@@ -51,9 +51,13 @@ class Constraints:
             return None if v == "auto" else v
 
         strategy = fixed(p.strategy)
+        tp = fixed(p.tp)
+        if t.precision == "fp16" and strategy is None:
+            # fp16 needs loss scaling, which the runtime applies to DDP only (see FP16_NOTE).
+            strategy, tp = "ddp", 1 if tp is None else tp
         return cls(
             strategy="zero3" if strategy == "fsdp" else strategy,
-            tp=fixed(p.tp),
+            tp=tp,
             dp_shard=fixed(p.dp_shard),
             micro_batch=fixed(t.micro_batch_size),
             recompute=fixed(p.recompute),

@@ -66,6 +66,11 @@ def _plan(cfg: JobConfig, topology) -> dict[str, Any]:
     plan = plan_job(cfg, topology)
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
+    if cfg.train.precision == "fp16" and (plan.strategy != "ddp" or plan.mesh["tp"] > 1):
+        raise PlanError(
+            f"train.precision=fp16 needs loss scaling, which runs with DDP only (tp=1), not {plan.strategy} with "
+            f"tp={plan.mesh['tp']}; use train.precision=bf16, or parallel.strategy=ddp parallel.tp=1"
+        )
     return plan.to_dict()
 
 

@@ -95,6 +95,9 @@ class Trainer:
             device,
         )
         self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
+        # fp16's narrow range needs loss scaling (bf16 does not); the driver admits fp16 with
+        # DDP only, where every rank holds whole gradients and the scaler's inf check agrees.
+        self.scaler = torch.amp.GradScaler(device.type) if self.autocast_dtype == torch.float16 else None
         self.tokens_per_step = gb * m.block_size
         self.compute_micro_s: float | None = None
 
@@ -169,12 +172,18 @@ class Trainer:
             with contextlib.nullcontext() if last else self.par.no_sync():
                 with self._autocast():
                     loss = model(x[sl], y[sl]) / self.accum
-                loss.backward()
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         self._sync()
         t_opt = time.perf_counter()
+        if self.scaler:
+            self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
         grad_norm = self.par.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else float("nan")
-        self.par.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.par.optimizer)  # skipped when the gradients overflowed
+            self.scaler.update()
+        else:
+            self.par.optimizer.step()
         self.par.optimizer.zero_grad(set_to_none=True)
         self._sync()
         opt_s = time.perf_counter() - t_opt
