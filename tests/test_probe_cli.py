@@ -13,6 +13,7 @@ import pytest
 
 from orchestrator import cli
 from orchestrator.cli import main
+from orchestrator.topology.bandwidth import estimate
 
 FIX = Path(__file__).parent / "fixtures" / "topology"
 
@@ -152,4 +153,5 @@ def test_without_from_probes_the_cluster_it_connects_to(capsys, monkeypatch):
     assert [n["node_id"] for n in data["nodes"]] == ["n1", "n2"]
     assert [len(n["links"]) for n in data["nodes"]] == [1, 3]
     code, out, _ = _probe(capsys)
-    assert code == 0 and calls[-2] == ("probe", False) and "3 CPU slot(s)" in out and "SHM 10" in out
+    shm_gbps, _ = estimate("shm")
+    assert code == 0 and calls[-2] == ("probe", False) and "3 CPU slot(s)" in out and f"SHM {shm_gbps:g}" in out
