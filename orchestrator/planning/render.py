@@ -83,20 +83,24 @@ def _layout_lines(plan: Plan) -> list[str]:
 
 def render_svg(plan: Plan, topology: ClusterTopology) -> str:
     """Each drawn node's devices on a circle, links coloured by kind and drawn wider the faster
-    they are, each rank labelled on its device and coloured by its tensor-parallel group."""
+    they are, each rank labelled on its device and coloured by its group on the chattiest
+    axis that has groups (tp, else HSDP's dp_shard; plain data parallelism is one group)."""
     nodes = topology.nodes[:_MAX_NODES_DRAWN]
+    m = plan.mesh
+    axis = "tp" if m["tp"] > 1 else "dp_shard" if m["dp_shard"] > 1 and m["dp_replicate"] > 1 else None
+    group_of = {r: g for g, ranks in enumerate(plan.groups[axis]) for r in ranks} if axis else {}
+    what = f"colour = {axis} group" if axis else "one data-parallel group"
     size, pad = 360, 30
-    width = size * len(nodes) + pad
+    width = max(size * len(nodes) + pad, 620)  # room for the title and the legend
     height = size + 90
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
              f'<text x="{pad}" y="20" font-size="14">{escape(plan.strategy)} on '
-             f'{escape(" x ".join(f"{a}={n}" for a, n in plan.mesh.items()))}; colour = tp group</text>']
+             f'{escape(" x ".join(f"{a}={n}" for a, n in plan.mesh.items()))}; {escape(what)}</text>']
     rank_of: dict[tuple[str, int], int] = {(r["node"], r["gpu"]): r["rank"] for r in plan.ranks}
     node_names = []
     for r in plan.ranks:
         if r["node"] not in node_names:
             node_names.append(r["node"])
-    tp = plan.mesh["tp"]
     max_bw = max((l.bandwidth_gbps for n in nodes for l in n.links), default=1.0) or 1.0
     for i, node in enumerate(nodes):
         name = node_names[i] if i < len(node_names) else f"node{i}"
@@ -113,14 +117,20 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
         for d in devs:
             x, y = pos[d]
             rank = rank_of.get((name, d))
-            colour = _GROUP_COLOURS[(rank // tp) % len(_GROUP_COLOURS)] if rank is not None else "#ccc"
+            colour = _GROUP_COLOURS[group_of.get(rank, 0) % len(_GROUP_COLOURS)] if rank is not None else "#ccc"
             parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="18" fill="{colour}" stroke="#222"/>')
             label = f"r{rank}" if rank is not None else "-"
             parts.append(f'<text x="{x:.1f}" y="{y - 2:.1f}" text-anchor="middle" fill="white">{label}</text>')
             parts.append(f'<text x="{x:.1f}" y="{y + 10:.1f}" text-anchor="middle" fill="white" font-size="9">gpu{d}</text>')
     if len(topology.nodes) > len(nodes):
         parts.append(f'<text x="{pad}" y="{height - 10}">... {len(topology.nodes) - len(nodes)} more node(s), laid out the same way</text>')
-    legend = " ".join(f"{k}" for k in _LINK_COLOURS)
-    parts.append(f'<text x="{pad}" y="{height - 25}" fill="#444">links: {escape(legend)} (wider = faster)</text>')
+    kinds = [k for k in _LINK_COLOURS if any(l.kind == k for n in nodes for l in n.links)]
+    x = pad
+    parts.append(f'<text x="{x}" y="{height - 25}" fill="#444">links (wider = faster):</text>')
+    x += 140
+    for k in kinds:
+        parts.append(f'<line x1="{x}" y1="{height - 29}" x2="{x + 22}" y2="{height - 29}" stroke="{_LINK_COLOURS[k]}" stroke-width="4"/>')
+        parts.append(f'<text x="{x + 27}" y="{height - 25}" fill="#444">{escape(k)}</text>')
+        x += 40 + 7 * len(k)
     parts.append("</svg>")
     return "\n".join(parts)
