@@ -196,9 +196,13 @@ class JobConfig:
 
 
 def conf_dir() -> Path:
-    """The directory of shipped defaults (`conf/` beside the package, or $ORCHESTRATOR_CONF_DIR)."""
+    """The shipped defaults: $ORCHESTRATOR_CONF_DIR, else `conf/` of the source tree this
+    package runs from, else the copy installed inside the package (`orchestrator/conf`)."""
     env = os.environ.get("ORCHESTRATOR_CONF_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+    if env:
+        return Path(env)
+    source_tree = Path(__file__).resolve().parent.parent / "conf"
+    return source_tree if source_tree.is_dir() else Path(__file__).resolve().parent / "conf"
 
 
 def _load_yaml(path: Path, what: str) -> DictConfig:

@@ -238,3 +238,16 @@ def test_fp16_trains_with_loss_scaling_and_is_refused_where_it_cannot(cluster, t
     assert summary["final_val_loss"] < summary["first_val_loss"]
     with pytest.raises(PlanError, match="train.precision=fp16 needs loss scaling"):
         _run(tmp_path, "train.precision=fp16", "parallel.strategy=zero2", "train.max_steps=2")
+
+
+def test_elastic_max_workers_caps_the_world(cluster, tmp_path):
+    from orchestrator.topology.model import ClusterTopology, cpu_node
+
+    two = ClusterTopology(nodes=[cpu_node(4, node_id="a"), cpu_node(4, node_id="b")])
+    capped = two.limit(6)
+    assert [n.num_devices for n in capped.nodes] == [4, 2]
+    assert [len(n.links) for n in capped.nodes] == [6, 1]  # every kept pair keeps its link
+    capped.nodes[1].check()
+    _, summary, _ = _run(tmp_path, "cluster.num_workers=2", "elastic.max_workers=1", "train.max_steps=2",
+                         "train.eval_interval=2")
+    assert summary["world_size"] == 1
