@@ -124,6 +124,8 @@ def _meshes(strategy: str, world: int, g: int, n_head: int, cons: Constraints) -
         elif strategy in ("zero1", "zero2", "zero3"):
             if d == 1 and cons.strategy is None:
                 continue  # one data-parallel rank: the same plan as ddp
+            if strategy == "zero1" and tp > 1 and cons.strategy is None:
+                continue  # the runtime runs it as zero2 (no ZeRO-1 of DTensors): offer zero2 by its name
             mesh = (1, d, tp)
             bad = (f"strategy {strategy} shards over all {d} data-parallel ranks, got parallel.dp_shard={cons.dp_shard}; "
                    f"use parallel.strategy=hsdp to shard over fewer") if cons.dp_shard not in (None, d) else ""
