@@ -140,6 +140,11 @@ def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, t
                                resume=ckpt)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 7 and rows[-1]["step"] == 9
+    # resuming a run that already reached train.max_steps is refused before anything starts
+    from orchestrator.cli import main
+
+    assert main(["submit", "jobs/llm.yaml", *TINY, "train.max_steps=6", f"monitor.runs_dir={tmp_path}",
+                 "--resume", str(first_dir)]) == 2
     assert summary["resumed_from"] == ckpt and summary["world_size"] == 1
     # the earlier run's directory is only read
     assert sorted(p.name for p in (first_dir / "checkpoints").iterdir()) == before

@@ -72,6 +72,16 @@ def run(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
     resume = resume_checkpoint(args.resume) if args.resume else None
+    if resume:
+        from ..errors import ConfigError
+        from ..runtime.checkpoint import read_meta
+
+        step = int(read_meta(resume)["step"])
+        if step >= cfg.train.max_steps:
+            raise ConfigError(
+                f"key 'train.max_steps': the checkpoint {resume} is already at step {step}; "
+                f"set train.max_steps above {step} to train on"
+            )
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
     run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)

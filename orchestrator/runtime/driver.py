@@ -304,7 +304,7 @@ def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -
     predicted_mem = plan.get("memory_per_rank", {})
     measured_mem = [f["state_bytes"] for f in finals]
     warnings = []
-    if predicted and measured_step and not (0.5 <= measured_step / predicted <= 2.0):
+    if predicted and math.isfinite(measured_step) and not (0.5 <= measured_step / predicted <= 2.0):
         warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s by more than 2x")
     model_state_pred = sum(predicted_mem.get(k, 0) for k in ("params", "grads", "optimizer"))
     model_state_meas = max((sum(m.values()) for m in measured_mem), default=0)
