@@ -143,7 +143,7 @@ def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, t
     # resuming a run that already reached train.max_steps is refused before anything starts
     from orchestrator.cli import main
 
-    assert main(["submit", "jobs/llm.yaml", *TINY, "train.max_steps=6", f"monitor.runs_dir={tmp_path}",
+    assert main(["submit", str(ROOT / "jobs" / "llm.yaml"), *TINY, "train.max_steps=6", f"monitor.runs_dir={tmp_path}",
                  "--resume", str(first_dir)]) == 2
     assert summary["resumed_from"] == ckpt and summary["world_size"] == 1
     # the earlier run's directory is only read
