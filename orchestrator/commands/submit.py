@@ -84,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
             )
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
-    run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
-    console.print(f"run directory: {run_dir.path}", markup=False)
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
+        # Created once a cluster is there: a failed connect leaves no empty run directory behind.
+        run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+        console.print(f"run directory: {run_dir.path}", markup=False)
         run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
     return 0

@@ -60,10 +60,11 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology) -> dict[str, Any]:
+def _plan(cfg: JobConfig, topology, run: RunDir) -> dict[str, Any]:
     from ..planning import plan_job
 
     plan = plan_job(cfg, topology)
+    run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
     if cfg.train.precision == "fp16" and (plan.strategy != "ddp" or plan.mesh["tp"] > 1):
@@ -167,8 +168,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     run.write_text("topology.json", topology.to_json())
     use_gpu = _use_gpu(topology)
     topology = _elastic(cfg, topology)
-    plan = _plan(cfg, topology)
-    run.write_json("plan.json", plan)
+    plan = _plan(cfg, topology, run)
     mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     console.print(
         f"plan: [bold]{plan['strategy']}[/] on {plan['world_size']} {'GPUs' if use_gpu else 'CPU workers'} "
