@@ -13,14 +13,14 @@ import contextlib
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule
 
-from orchestrator.runtime.comm_hooks import PARAM_DTYPES
+from orchestrator.runtime.comm_hooks import PARAM_DTYPES, hierarchical_all_reduce
 from orchestrator.runtime.parallelize import ParallelSpec, build_mesh, data_parallel_rank, parallelize
 from orchestrator.workloads.gpt import GPT, GPTConfig, param_groups
 
@@ -62,6 +62,9 @@ CASES = [
     Case("hsdp", ParallelSpec("hsdp", {"dp_replicate": 2, "dp_shard": 2, "tp": 1}), accum=2, resume_from="zero1"),
     Case("tp_fsdp", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}), accum=2,
          resume_from="zero2"),
+    # Two ranks per node on two nodes: reduce-scatter in the pair, all-reduce across, all-gather.
+    Case("ddp_hier", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1}, bucket_mb=0.05,
+                                  sync_algorithm="hierarchical", node_of_rank=("n0", "n0", "n1", "n1")), accum=2),
     Case("tp_ddp", ParallelSpec("ddp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}), accum=1, checkpoint=False),
     # fp16 rounding of the gradient all-reduce: parity only to fp16 precision.
     Case("ddp_fp16", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
@@ -166,6 +169,25 @@ def _compute_dtypes(model: torch.nn.Module) -> set[str]:
     return seen
 
 
+def _hierarchy_report(par) -> dict | None:
+    """The groups the hierarchical hook ran over, the buckets it reduced during training, and
+    the error of averaging a 7-element tensor (not a multiple of the node size, so padded)
+    through it in fp32 and in fp16 against the exact mean."""
+    h = par.hierarchy
+    if h is None:
+        return None
+    buckets = h.buckets_reduced
+    rank = dist.get_rank()
+    base = torch.linspace(0.1, 3.3, 7)  # not all representable in fp16, so fp16 rounding shows
+    exact = base * (WORLD + 1) / 2  # the mean of (rank + 1) * base over the ranks
+    errors = {}
+    for name, dtype in (("fp32", None), ("fp16", torch.float16)):
+        t = base * (rank + 1)
+        out = hierarchical_all_reduce(t, replace(h, wire_dtype=dtype)).wait()
+        errors[name] = float((out - exact).abs().max()) if out is t else float("inf")
+    return {"intra": h.intra_ranks, "inter": h.inter_ranks, "buckets": buckets, "odd_errors": errors}
+
+
 def _run_case(case: Case, ckpt_root: str) -> dict:
     mesh = build_mesh(case.spec, "cpu")
     dp_rank, dp_world = data_parallel_rank(mesh)
@@ -192,11 +214,12 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
     resumed_loss = _train_step(restored, data[-1], case, dp_rank, dp_world)[0] if restored else None
     resharded_loss = _train_step(other, data[-1], case, dp_rank, dp_world)[0] if other else None
 
+    hierarchy = _hierarchy_report(par)
     all_states: list = [None] * dist.get_world_size()
     dist.all_gather_object(all_states, state)
     return {"losses": losses, "norms": norms, "resumed_loss": resumed_loss,
             "resharded_loss": resharded_loss,
-            "state_bytes": all_states, "notes": par.notes,
+            "state_bytes": all_states, "notes": par.notes, "hierarchy": hierarchy,
             "compute_dtypes": sorted(compute_dtypes), "mp_policies": policies,
             "sharded_dtypes": sorted({str(p.dtype) for p in par.model.parameters()})}
 

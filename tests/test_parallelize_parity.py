@@ -3,7 +3,8 @@
 One launch of 4 gloo ranks runs all cases (see tests/_parity_worker.py); each case is
 compared with a single-process reference: loss and clipped gradient norm per step, the
 per-rank model-state bytes the strategy should hold, and a DCP save/restore that must
-resume bit-for-bit. The bf16 case (FSDP2 gathering bf16 weights under bf16 autocast) is
+resume bit-for-bit. The ddp_hier case reduces DDP's buckets through the hierarchical hook
+(two "nodes" of two ranks). The bf16 case (FSDP2 gathering bf16 weights under bf16 autocast) is
 compared with a single process under the same autocast.
 """
 
@@ -13,12 +14,13 @@ import json
 import math
 import re
 
+import _parity_worker as pw
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import _parity_worker as pw
 from orchestrator.errors import PlanError
+from orchestrator.runtime.comm_hooks import hierarchy_groups, register_ddp_sync
 from orchestrator.runtime.parallelize import ParallelSpec, param_dtype_for
 from orchestrator.runtime.tensor_parallel import BLOCK_PLAN_NAMES, apply_tensor_parallel
 
@@ -74,6 +76,60 @@ def test_bf16_on_gloo_is_skipped_with_a_note(results) -> None:
         "bf16 gradient compression skipped: it needs the NCCL backend, this group uses gloo"
     ]
     assert all(not results[n]["notes"] for n in CASES if n != "zero2")
+
+
+def test_hierarchical_all_reduce_ran_over_node_groups(results) -> None:
+    # The parity of ddp_hier (above) only means something if its buckets took the hierarchy.
+    h = results["ddp_hier"]["hierarchy"]
+    assert h["intra"] == [[0, 1], [2, 3]]
+    assert h["inter"] == [[0, 2], [1, 3]]
+    # One synced backward per step; DDP's first one fills a single large first bucket, the
+    # rebuilt ones several of bucket_mb=0.05, and every one of them went through the hook.
+    assert h["buckets"] > pw.STEPS
+    assert all(results[n]["hierarchy"] is None for n in CASES if n != "ddp_hier")
+
+
+def test_hierarchical_all_reduce_pads_and_composes_with_fp16(results) -> None:
+    errors = results["ddp_hier"]["hierarchy"]["odd_errors"]
+    # 7 elements over nodes of 2 ranks: the padded tail must not leak into the mean.
+    assert errors["fp32"] <= 1e-6
+    # In fp16 the shard travels rounded: visibly, but only at fp16 precision.
+    assert 1e-6 < errors["fp16"] <= 1e-2
+
+
+def test_hierarchy_groups_by_node_and_local_position() -> None:
+    nodes = ("a", "b", "a", "b", "c", "c")
+    assert hierarchy_groups(range(6), nodes) == ([[0, 2], [1, 3], [4, 5]], [[0, 1, 4], [2, 3, 5]])
+    uneven = "nodes hold unequal numbers of data-parallel ranks (a holds 3, b holds 1)"
+    with pytest.raises(ValueError, match=re.escape(uneven)):
+        hierarchy_groups(range(4), ("a", "a", "b", "a"))
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone, torn down afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("compression", "note"),
+    [
+        ("none", "hierarchical all-reduce ran flat: the data-parallel group has one node, "
+                 "so there is no level to split"),
+        ("powersgd", "hierarchical all-reduce ran flat: powersgd compression is its own all-reduce scheme"),
+    ],
+)
+def test_hierarchical_sync_that_cannot_run_falls_back_to_flat_with_a_note(one_rank_group, compression, note) -> None:
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=one_rank_group)
+    hierarchy, notes = register_ddp_sync(ddp, one_rank_group, compression, "hierarchical", ("n0",))
+    assert hierarchy is None
+    assert notes == [note]
 
 
 def test_bf16_gathers_track_a_bf16_autocast_single_process(results, references) -> None:
@@ -183,6 +239,13 @@ def test_zero3_holds_a_quarter_of_the_model(results) -> None:
         ({"recompute": "some"}, "recompute must be one of none, selective, full; got 'some'"),
         ({"param_dtype": "int8"}, "param_dtype must be one of fp32, bf16, fp16; got 'int8'"),
         ({"bucket_mb": 0}, "bucket_mb must be positive"),
+        ({"sync_algorithm": "tree"}, "sync_algorithm must be one of flat, hierarchical; got 'tree'"),
+        (
+            {"sync_algorithm": "hierarchical"},
+            "sync_algorithm hierarchical needs node_of_rank (the node of every rank)",
+        ),
+        ({"node_of_rank": ("n0", "n1")}, "node_of_rank names 2 ranks but the mesh"),
+        ({"node_of_rank": ("n0", "n0", "", "n1")}, "every rank a non-empty node id; ranks [2] have none"),
         (
             {"mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}},
             "ddp with tp=2 replicates over dp_replicate only; dp_shard must be 1, got 2",

@@ -244,3 +244,90 @@ def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(st
         m = est[p].memory
         assert m.params + m.grads + m.optimizer == pytest.approx(16 * psi / 8, rel=1e-6)
     assert est["bf16"].memory.buffers < est["fp32"].memory.buffers
+
+
+def test_hierarchical_all_reduce_needs_two_levels():
+    from orchestrator.planning.comm import GroupLinks, group_all_reduce
+
+    n = 1e9
+    inf = float("inf")
+    one_node = GroupLinks(size=8, per_node=8, intra_gbps=400.0, intra_lat_us=2.0, inter_gbps=inf, inter_lat_us=0.0)
+    flat, sched = group_all_reduce(n, one_node, "flat")
+    # Nothing to split on one node or with one rank per node: the flat ring, and the schedule says why.
+    assert group_all_reduce(n, one_node, "hierarchical") == (flat, f"{sched} (hierarchical degenerates to flat: "
+                                                                    "the group is on one node)")
+    spread = GroupLinks(size=4, per_node=1, intra_gbps=inf, intra_lat_us=0.0, inter_gbps=50.0, inter_lat_us=10.0)
+    assert group_all_reduce(n, spread, "hierarchical")[1].endswith("(hierarchical degenerates to flat: "
+                                                                  "the group has one member per node)")
+    # Two nodes of 8 on a slow network: each rank sends 1/8 of the buffer between nodes.
+    two = GroupLinks(size=16, per_node=8, intra_gbps=400.0, intra_lat_us=2.0, inter_gbps=50.0, inter_lat_us=10.0)
+    hier, hsched = group_all_reduce(n, two, "hierarchical")
+    assert hsched.startswith("hierarchical")
+    assert hier < group_all_reduce(n, two, "flat")[0]
+    assert group_all_reduce(n, two, "auto") == (hier, hsched)
+
+
+def test_gloo_hierarchical_all_reduce_is_priced_from_gloo_collectives():
+    from orchestrator.planning.comm import (
+        GroupLinks,
+        gloo_all_gather,
+        gloo_all_reduce,
+        gloo_reduce_scatter,
+        group_all_reduce,
+    )
+
+    n, mem = 16e6, 20.0
+    g = GroupLinks(size=4, per_node=2, intra_gbps=5.0, intra_lat_us=20.0, inter_gbps=1.0, inter_lat_us=50.0,
+                   gloo_mem_gbps=mem)
+    hier, sched = group_all_reduce(n, g, "hierarchical")
+    assert sched == "hierarchical (gloo ring between nodes)"
+    assert hier == pytest.approx(gloo_reduce_scatter(n, 2, 5.0, 20.0, mem) + gloo_all_gather(n, 2, 5.0, 20.0, mem)
+                                 + gloo_all_reduce(n / 2, 2, 0.5, 50.0, mem))
+    flat, fsched = group_all_reduce(n, g, "flat")
+    assert fsched == "flat gloo ring"
+    assert group_all_reduce(n, g, "auto") == min((hier, sched), (flat, fsched))
+
+
+def _ddp_plan(nodes: int, *extra: str):
+    from pathlib import Path
+
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+    from orchestrator.planning.describe import describe_cluster
+    from orchestrator.topology.files import load_topology_file
+    from orchestrator.topology.model import Network
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "topology" / "topo_h100_8gpu_mlengineering.txt"
+    topo = describe_cluster(load_topology_file(fixture, "H100"), nodes, Network(bandwidth_gbps=50.0, latency_us=10.0),
+                            "H100")
+    cfg = load_config(None, ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024",
+                             f"train.global_batch_size={16 * nodes}", "parallel.strategy=ddp", "parallel.tp=1",
+                             "parallel.sync=hierarchical", *extra])
+    return plan_job(cfg, topo)
+
+
+def test_forced_hierarchical_sync_says_what_runs():
+    # Across two nodes the runtime's DDP hook runs it: the plan says hierarchical.
+    two = _ddp_plan(2)
+    assert two.sync["algorithm"] == "hierarchical"
+    assert any(line.startswith("gradient sync: hierarchical") for line in two.explanation)
+    # On one node it has no second level: the plan says flat, and why.
+    one = _ddp_plan(1)
+    assert one.sync["algorithm"] == "flat"
+    assert any("hierarchical degenerates to flat: the group is on one node" in line for line in one.explanation)
+
+
+def test_forced_hierarchical_sync_under_fsdp2_runs_flat():
+    # FSDP2 has no comm hook: zero3's reduce-scatter is one flat group, and the plan says so.
+    plan = _ddp_plan(2, "parallel.strategy=zero3")
+    assert plan.sync["algorithm"] == "flat"
+    assert any("parallel.sync=hierarchical runs flat: zero3 reduces gradients through FSDP2" in line
+               for line in plan.explanation)
+
+
+def test_forced_hierarchical_sync_with_powersgd_runs_flat():
+    # PowerSGD's DDP hook is a low-rank all-reduce of its own; the hierarchical hook cannot wrap it.
+    plan = _ddp_plan(2, "parallel.compression=powersgd")
+    assert plan.sync["algorithm"] == "flat"
+    assert any("parallel.sync=hierarchical runs flat: powersgd compression is its own all-reduce scheme" in line
+               for line in plan.explanation)

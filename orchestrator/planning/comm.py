@@ -170,30 +170,47 @@ class GroupLinks:
 
 
 def group_all_reduce(nbytes: float, g: GroupLinks, algorithm: str = "auto") -> tuple[float, str]:
-    """(seconds, schedule) of an all-reduce over a group.
+    """(seconds, schedule) of an all-reduce over a group; the schedule starts with the
+    algorithm that runs, `flat` or `hierarchical`.
 
     `flat` is one ring (or tree) through every member, bound by the slowest link it crosses;
     `hierarchical` reduce-scatters inside each node, all-reduces 1/per_node of the buffer
     between nodes (per_node rings side by side, together owning the group's network share),
-    then all-gathers inside each node. `auto` takes the faster.
+    then all-gathers inside each node. `auto` takes the faster. A group on one node, or with
+    one member per node, has no second level: hierarchical is then the flat ring, and the
+    schedule says so when hierarchical was asked for. On gloo the three steps are gloo's own
+    collectives (the runtime's DDP hook issues them), priced as gloo runs them.
     """
     if algorithm not in ("auto", "flat", "hierarchical"):
         raise ValueError(f"algorithm must be auto, flat or hierarchical, got {algorithm!r}")
     if g.size == 1 or nbytes == 0:
         return 0.0, "flat"
-    if g.gloo_mem_gbps is not None:
-        # gloo has one all-reduce, a flat ring through every member.
-        return gloo_all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps), "flat gloo ring"
-    flat, kind = all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
-    if g.nodes == 1 or g.per_node == 1 or algorithm == "flat":
-        return flat, f"flat {kind}"
+    mem = g.gloo_mem_gbps
+    if mem is not None:
+        flat, name = gloo_all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us, mem), "flat gloo ring"
+    else:
+        flat, kind = all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
+        name = f"flat {kind}"
+    if algorithm == "flat":
+        return flat, name
+    if g.nodes == 1 or g.per_node == 1:
+        if algorithm == "hierarchical":
+            why = "the group is on one node" if g.nodes == 1 else "the group has one member per node"
+            return flat, f"{name} (hierarchical degenerates to flat: {why})"
+        return flat, name
     m = g.per_node
-    inner = reduce_scatter(nbytes, m, g.intra_gbps, g.intra_lat_us) + all_gather(nbytes, m, g.intra_gbps, g.intra_lat_us)
-    outer, okind = all_reduce(nbytes / m, g.nodes, g.inter_gbps / m, g.inter_lat_us)
+    if mem is not None:
+        inner = gloo_reduce_scatter(nbytes, m, g.intra_gbps, g.intra_lat_us, mem) + \
+            gloo_all_gather(nbytes, m, g.intra_gbps, g.intra_lat_us, mem)
+        outer, okind = gloo_all_reduce(nbytes / m, g.nodes, g.inter_gbps / m, g.inter_lat_us, mem), "gloo ring"
+    else:
+        inner = reduce_scatter(nbytes, m, g.intra_gbps, g.intra_lat_us) + \
+            all_gather(nbytes, m, g.intra_gbps, g.intra_lat_us)
+        outer, okind = all_reduce(nbytes / m, g.nodes, g.inter_gbps / m, g.inter_lat_us)
     hier = inner + outer
     if algorithm == "hierarchical" or hier < flat:
         return hier, f"hierarchical ({okind} between nodes)"
-    return flat, f"flat {kind}"
+    return flat, name
 
 
 def group_reduce_scatter(nbytes: float, g: GroupLinks) -> float:

@@ -96,6 +96,11 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
+def _runs_flat(requested: str, why: str) -> str:
+    """What a schedule adds when the config forced a hierarchical all-reduce the runtime cannot run."""
+    return f" (parallel.sync=hierarchical runs flat: {why})" if requested == "hierarchical" else ""
+
+
 def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     """Memory and step time of choice `c` on layout `cl`."""
     shape, lay = ctx.shape, ctx.layout
@@ -144,15 +149,24 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         gl = group_links(ctx, cl, axis)
         bucket_mb = c.bucket_mb or auto_bucket_mb(grad_bytes, gl.size, gl.flat_gbps, gl.flat_lat_us)
         if wrapping == "ddp":
-            red, schedule = group_all_reduce(grad_bytes, gl, c.algorithm)
-            tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, c.algorithm)
+            # The hierarchical schedule is a DDP comm hook; with tp>1 ddp runs on FSDP2 instead,
+            # and PowerSGD's hook replaces the all-reduce with its own low-rank one.
+            flat_why = (f"ddp with tp={tp} reduces gradients through FSDP2, which has no comm hook" if tp > 1
+                        else "powersgd compression is its own all-reduce scheme" if c.compression == "powersgd"
+                        else "")
+            algo = "flat" if flat_why else c.algorithm
+            red, schedule = group_all_reduce(grad_bytes, gl, algo)
+            tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, algo)
             parts["grad all-reduce"] = red
+            if flat_why:
+                schedule += _runs_flat(c.algorithm, flat_why)
         else:
             red = group_reduce_scatter(grad_bytes, gl)
             tail = group_reduce_scatter(min(bucket_mb * MB, grad_bytes), gl)
             gather = group_all_gather(p_rank * lay.weights, gl)
             parts["grad reduce-scatter"], parts["param all-gather"] = red, gather
             schedule = "flat ring reduce-scatter + all-gather" if gl.size > 1 else schedule
+            schedule += _runs_flat(c.algorithm, "zero1 is planned as a flat reduce-scatter and all-gather")
             exposed += gather
         exposed += (max(0.0, red - bwd) + tail) if overlap and gl.size > 1 else red
     else:
@@ -176,13 +190,18 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
                 exposed += accum * (2 * ag + rs)
         schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
         if wrapping == "hsdp":
+            # FSDP2 all-reduces across replicas in one flat group: hsdp's mesh is the hierarchy.
             rl = group_links(ctx, cl, "dp_replicate")
-            ar, sched = group_all_reduce(grad_bytes / shard, rl, c.algorithm)
+            ar, sched = group_all_reduce(grad_bytes / shard, rl, "flat")
             parts["replica all-reduce"] = ar
             exposed += ar
             schedule = f"{schedule}; replicas: {sched}"
+        fsdp_why = ("hsdp's mesh already is the hierarchy (shards inside, replicas across) and FSDP2 has no "
+                    "comm hook for its replica all-reduce" if wrapping == "hsdp"
+                    else f"{wrapping} reduces gradients through FSDP2, which has no comm hook")
+        schedule += _runs_flat(c.algorithm, fsdp_why)
     comm_s = sum(parts.values())
-    algorithm = "hierarchical" if "hierarchical" in schedule else "flat"
+    algorithm = "hierarchical" if schedule.startswith("hierarchical") else "flat"
     sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=algorithm, compression=c.compression,
                     grad_accum_steps=accum, overlap=overlap)
     mem = rank_memory(c.strategy, shape, tp, shard_group, c.micro_batch, c.recompute, lay,

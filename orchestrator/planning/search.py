@@ -71,7 +71,8 @@ class Constraints:
         """The config keys this search was narrowed by, as `key=value`."""
         keys = (("parallel.strategy", self.strategy), ("parallel.tp", self.tp), ("parallel.dp_shard", self.dp_shard),
                 ("train.micro_batch_size", self.micro_batch), ("parallel.recompute", self.recompute),
-                ("parallel.compression", self.compression))
+                ("parallel.compression", self.compression),
+                ("parallel.sync", None if self.algorithm == "auto" else self.algorithm))
         return [f"{k}={v}" for k, v in keys if v is not None]
 
 

@@ -47,7 +47,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.errors import PlanError
-from orchestrator.runtime.comm_hooks import COMPRESSIONS, PARAM_DTYPES, fsdp_policy, register_ddp_compression
+from orchestrator.runtime.comm_hooks import (
+    COMPRESSIONS,
+    PARAM_DTYPES,
+    SYNC_ALGORITHMS,
+    HierarchicalAllReduce,
+    fsdp_policy,
+    register_ddp_sync,
+)
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
@@ -75,6 +82,13 @@ class ParallelSpec:
     param_dtype: str = "fp32"
     """fp32 | bf16 | fp16: the dtype FSDP2 all-gathers weights in and computes gradients in,
     the run's autocast dtype (FSDP2 strategies only; DDP and ZeRO-1 keep fp32 weights)."""
+    sync_algorithm: str = "flat"
+    """flat | hierarchical: DDP's gradient all-reduce as one ring, or reduce-scatter inside each
+    node, all-reduce between nodes, all-gather inside each node (ddp and zero1 with tp=1;
+    FSDP2's mesh already is the hierarchy)."""
+    node_of_rank: tuple[str, ...] | None = None
+    """The node id of every global rank (index = rank), as the plan placed them; the
+    hierarchical all-reduce groups ranks by it."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -95,6 +109,26 @@ class ParallelSpec:
             )
         if self.recompute not in RECOMPUTES:
             raise PlanError(f"parallel recompute must be one of {', '.join(RECOMPUTES)}; got {self.recompute!r}")
+        if self.sync_algorithm not in SYNC_ALGORITHMS:
+            raise PlanError(
+                f"parallel sync_algorithm must be one of {', '.join(SYNC_ALGORITHMS)}; got {self.sync_algorithm!r}"
+            )
+        if self.node_of_rank is not None:
+            self.node_of_rank = tuple(self.node_of_rank)
+            if len(self.node_of_rank) != self.world_size:
+                raise PlanError(
+                    f"parallel node_of_rank names {len(self.node_of_rank)} ranks but the mesh {self.mesh} "
+                    f"has {self.world_size}; it needs one node id per rank"
+                )
+            blank = [r for r, node in enumerate(self.node_of_rank) if not isinstance(node, str) or not node]
+            if blank:
+                raise PlanError(
+                    f"parallel node_of_rank must give every rank a non-empty node id; ranks {blank} have none"
+                )
+        if self.sync_algorithm == "hierarchical" and self.node_of_rank is None:
+            raise PlanError(
+                "parallel sync_algorithm hierarchical needs node_of_rank (the node of every rank) to group by node"
+            )
         if self.strategy == "ddp" and self.mesh["tp"] > 1 and self.mesh["dp_shard"] > 1:
             raise PlanError(
                 f"ddp with tp={self.mesh['tp']} replicates over dp_replicate only; "
@@ -204,6 +238,8 @@ class Parallelized:
     """Steps this rank's parameters (a ZeroRedundancyOptimizer for zero1)."""
     notes: list[str] = field(default_factory=list)
     """What was done differently from the plan, and why (one sentence each)."""
+    hierarchy: HierarchicalAllReduce | None = None
+    """The hierarchical gradient all-reduce DDP runs (its groups, buckets reduced); None when flat."""
     _synced_once: bool = field(default=False, init=False, repr=False)
     """Whether DDP has run a forward with gradient sync on (its graph-recording iteration)."""
     _grad_bytes_at_step: int = field(default=0, init=False, repr=False)
@@ -381,13 +417,22 @@ def parallelize(
             gradient_as_bucket_view=True,
             static_graph=spec.static_graph,
         )
-        notes += register_ddp_compression(ddp, spec.compression, group)
+        hierarchy, sync_notes = register_ddp_sync(
+            ddp, group, spec.compression, spec.sync_algorithm, spec.node_of_rank
+        )
+        notes += sync_notes
         if strategy == "zero1":
             optimizer = _zero_optimizer(ddp, make_optimizer, group)
         else:
             optimizer = make_optimizer(ddp)
-        return Parallelized(ddp, optimizer, notes)
+        return Parallelized(ddp, optimizer, notes, hierarchy)
 
+    if spec.sync_algorithm == "hierarchical" and strategy in ("ddp", "zero2", "zero3"):
+        # hsdp's replicate-across / shard-inside mesh is the hierarchy; these are one flat group.
+        notes.append(
+            f"hierarchical all-reduce ran flat: {spec.strategy} with tp={tp} reduces gradients through FSDP2, "
+            f"which has no comm hook (hsdp is the hierarchical FSDP2 layout)"
+        )
     if strategy == "ddp":
         # DDP cannot reduce DTensor gradients; FSDP2 with a shard axis of size 1 is plain replication.
         dp_mesh = mesh["dp_replicate", "dp_shard"]

@@ -67,6 +67,8 @@ class Trainer:
             compression=sync["compression"],
             recompute=plan.get("recompute", "none"),
             param_dtype=param_dtype_for(resolve_precision(cfg.train.precision, device.type)),
+            sync_algorithm=sync["algorithm"],
+            node_of_rank=tuple(str(r["node"]) for r in sorted(plan["ranks"], key=lambda r: int(r["rank"]))),
         )
         self.mesh = build_mesh(self.spec, device.type)
         self.dp_rank, self.dp_world = data_parallel_rank(self.mesh)
