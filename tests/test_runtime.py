@@ -129,6 +129,7 @@ def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(c
         torch.testing.assert_close(w[k], w_ref[k], rtol=0, atol=1e-6, msg=k)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 301))  # one line per step, even across the restart
+    assert (run_dir / "loss.svg").read_text().count(">restart<") == 1  # the curve marks where it resumed
 
 
 def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, tmp_path):

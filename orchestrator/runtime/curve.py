@@ -23,8 +23,10 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return out
 
 
-def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title: str) -> str:
-    """Train loss per step (line) and validation loss (points joined), on shared axes."""
+def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title: str,
+             restarts: list[int] = ()) -> str:
+    """Train loss per step (line) and validation loss (points joined), on shared axes; a dashed
+    line at each step a restart resumed from."""
     pts = train + val
     if not pts:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><text x="20" y="40">no steps</text></svg>'
@@ -58,6 +60,10 @@ def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title
     out.append(f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{H - BOTTOM}" stroke="#333"/>')
     out.append(f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 10}" text-anchor="middle">optimizer step</text>')
     out.append(f'<text transform="translate(16 {(TOP + H - BOTTOM) / 2}) rotate(-90)" text-anchor="middle">loss (nats/token)</text>')
+    for step in restarts:
+        x = X(step)
+        out.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{H - BOTTOM}" stroke="#888" stroke-dasharray="4 3"/>')
+        out.append(f'<text x="{x + 4:.1f}" y="{TOP + 12}" fill="#666">restart</text>')
     if train:
         path = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in train if math.isfinite(v))
         out.append(f'<polyline points="{path}" fill="none" stroke="#4c78a8" stroke-width="1.5" opacity="0.8"/>')

@@ -153,7 +153,8 @@ def run_job(
         summary["resumed_from"] = resume_from
     run.write_json("summary.json", summary)
     train = [(r["step"], r["loss"]) for r in state.rows]
-    run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan['strategy']} on {plan['world_size']} workers"))
+    run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan['strategy']} on {plan['world_size']} workers",
+                                        [r["resumed_from_step"] for r in state.restarts]))
     _print_summary(console, summary, run)
     return summary
 
