@@ -88,8 +88,17 @@ class FakeGpu:
     """(cluster uuid, clique id) when the GPU is in a multi-node NVLink fabric."""
 
 
+# NVML's versioned structs must carry their version, or the call fails (as real NVML does).
+nvmlGpuFabricInfo_v2 = 0x2000024
+
+
+class NVMLError_ArgumentVersionMismatch(NVMLError):
+    text = "Argument Version Mismatch"
+
+
 class c_nvmlGpuFabricInfoV_t:
     def __init__(self) -> None:
+        self.version = 0
         self.clusterUuid = [0] * 16
         self.status = NVML_SUCCESS
         self.cliqueId = 0
@@ -105,6 +114,8 @@ class FakeNvml:
     NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
     NVMLError_InvalidArgument = NVMLError_InvalidArgument
     c_nvmlGpuFabricInfoV_t = c_nvmlGpuFabricInfoV_t
+    nvmlGpuFabricInfo_v2 = nvmlGpuFabricInfo_v2
+    NVMLError_ArgumentVersionMismatch = NVMLError_ArgumentVersionMismatch
 
     def __init__(
         self,
@@ -201,6 +212,8 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuFabricInfoV(self, h: int, info: c_nvmlGpuFabricInfoV_t) -> int:
         self._check("nvmlDeviceGetGpuFabricInfoV")
+        if info.version != nvmlGpuFabricInfo_v2:
+            raise NVMLError_ArgumentVersionMismatch()
         fabric = self._gpu(h).fabric
         if fabric is None:
             raise NVMLError_NotSupported()

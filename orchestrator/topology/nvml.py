@@ -142,6 +142,9 @@ def _fabric_clique(g: _Guard, handle: Any, where: str) -> str | None:
                          ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t")):
         if hasattr(nv, call) and hasattr(nv, struct):
             info = getattr(nv, struct)()
+            if hasattr(info, "version"):
+                # A versioned struct must say which version it is, or NVML refuses the call.
+                info.version = getattr(nv, "nvmlGpuFabricInfo_v2", 0)
             if g(call, handle, info, where=where, normal="NVMLError_NotSupported") is None:
                 info = None
             break
