@@ -137,8 +137,8 @@ def place(
                     pg, placement_group_bundle_index=bundle_of_rank[r["rank"]]
                 ),
                 # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
-                # peers from NCCL and turns NVLink/P2P off; each worker picks its GPU itself,
-                # numbering GPUs in PCI bus order as NVML (and so the topology) does.
+                # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
+                # of its node itself, numbered in PCI bus order as NVML (and the topology) does.
                 runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
                                           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
                 max_restarts=0,

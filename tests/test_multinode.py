@@ -80,6 +80,8 @@ def test_tp_pairs_land_under_one_pcie_switch_and_hsdp_shards_stay_in_a_node(two_
         assert len({where[r][0] for r in group}) == 1
     # the actors themselves reported these devices: Ray's choice of GPU matched the plan's
     assert all(p["gpu_ids"] == [p["gpu"]] for p in placement)
+    # each worker exposes all of the job's GPUs on its node (NCCL needs its peers), in PCI order
+    assert all(p["visible_gpus"] == "0,1,2,3" for p in placement)
 
 
 def test_losing_a_node_replans_onto_the_survivor_and_finishes(two_nodes, tmp_path):

@@ -194,6 +194,10 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
                 ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
+        for report, setup in zip(placement.reports, setups):
+            # What each rank set up for itself: the GPUs it exposes to NCCL, the CPUs it runs on.
+            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"])
+        run.write_json("placement.json", placement.reports)
         for note in _notes(setups):
             console.print(f"[yellow]note:[/] {escape(note)}")
         start = setups[0]["start_step"]

@@ -116,11 +116,16 @@ class Worker:
         notes = []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
-        gpus = ray.get_gpu_ids()
+        gpus = [int(g) for g in ray.get_gpu_ids()]
+        if gpus:
+            # Every worker sees all of this job's GPUs on its node, and only those: NCCL needs
+            # its peers visible for P2P and NVLink, other jobs' GPUs stay out of reach. Set
+            # before CUDA initialises in this process (placement verified our GPU is planned).
+            node = ray.get_runtime_context().get_node_id()
+            job_gpus = sorted({int(r["gpu"]) for r in plan["ranks"] if r["node"] == node} | {gpus[0]})
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job_gpus))
         if gpus and torch.cuda.is_available():
-            # Every worker sees all of the node's job GPUs (NCCL needs its peers for P2P and
-            # NVLink), so pick ours by Ray's id, not by cuda:0.
-            device = torch.device("cuda", int(gpus[0]))
+            device = torch.device("cuda", job_gpus.index(gpus[0]))
             torch.cuda.set_device(device)
             backend = "nccl"
         else:
@@ -140,7 +145,9 @@ class Worker:
         if resume_from:
             start = self.trainer.load_checkpoint(resume_from)
         return {"num_params": self.trainer.num_params, "notes": notes + list(self.trainer.par.notes),
-                "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start}
+                "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
+                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None,
+                "cpus": sorted(os.sched_getaffinity(0))}
 
     def train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
         """Run optimizer steps [start, end); rank 0 pushes each step's metrics to `sink`."""
