@@ -9,6 +9,9 @@ every ready cluster shape in conf/cluster (as shipped, and at 4 nodes), per mode
   i // g), the best DDP micro-batch and recomputation the planner finds;
 * placed: the planner's choice of strategy and mesh, but with ranks in Ray's default order
   (the gain of the strategy alone);
+* equal links: what a tool that treats every link alike decides: the planner run on a copy of
+  each node whose links all carry the node's mean bandwidth and latency, its choice then priced
+  on the real wiring with ranks in Ray's default order;
 * aware: the planner's plan, its strategy, mesh and rank layout.
 
 All three are priced by the planner's own cost functions (`planning.cost.estimate` on a
@@ -99,6 +102,21 @@ def identity_layout(wirings, mesh: tuple[int, int, int]):
     return cluster_layout(wirings, mesh, topology_aware=False)
 
 
+def equal_links(topo):
+    """A copy of `topo` in which every link of a node carries that node's mean bandwidth and
+    latency: the cluster as a topology-blind tool sees it."""
+    import copy
+
+    flat = copy.deepcopy(topo)
+    for node in flat.nodes:
+        if node.links:
+            bw = sum(l.bandwidth_gbps for l in node.links) / len(node.links)
+            lat = sum(l.latency_us for l in node.links) / len(node.links)
+            for l in node.links:
+                l.bandwidth_gbps, l.latency_us = bw, lat
+    return flat
+
+
 def _choice(plan: dict[str, Any]):
     from orchestrator.planning.cost import Choice
     from orchestrator.planning.layout import AXES
@@ -131,6 +149,11 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
     placed = estimate(ctx, identity_layout(wirings, chosen.mesh), chosen)
     out["placed"] = {"step_s": placed.total_s, "exposed_comm_s": placed.exposed_comm_s,
                      "fits": placed.fits(ctx.usable_bytes)}
+    equal = plan_job(cfg, equal_links(topo)).to_dict()
+    c = _choice(equal)
+    priced = estimate(ctx, identity_layout(wirings, c.mesh), c)
+    out["equal_links"] = {"strategy": equal["strategy"], "mesh": equal["mesh"], "step_s": priced.total_s,
+                          "fits": priced.fits(ctx.usable_bytes)}
     try:
         ddp = plan_job(load_config(None, [*overrides, "parallel.strategy=ddp", "parallel.tp=1"]), topo).to_dict()
     except PlanError as e:
@@ -144,6 +167,8 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
     a, b, p = out["aware"]["step_s"], out["blind"]["step_s"], out["placed"]["step_s"]
     out["speedup_vs_blind"] = b / a if b and out["blind"]["fits"] and out["aware"]["fits"] else None
     out["placement_speedup"] = p / a if out["aware"]["fits"] else None
+    e = out["equal_links"]
+    out["speedup_vs_equal_links"] = e["step_s"] / a if e["fits"] and out["aware"]["fits"] else None
     return out
 
 
@@ -157,6 +182,11 @@ def verdict(row: dict[str, Any]) -> str:
         parts.append(f"rank layout {placement:.2f}x")
     if row["blind"]["fits"] and blind is not None and blind / (placement or 1) - 1 >= MATTERS:
         parts.append(f"strategy {blind / (placement or 1):.2f}x")
+    equal = row["speedup_vs_equal_links"]
+    if not row["equal_links"]["fits"]:
+        parts.append("the equal-links plan does not fit")
+    elif equal is not None and equal - 1 >= MATTERS:
+        parts.append(f"vs equal links {equal:.2f}x")
     return "; ".join(parts) if parts else "does not matter"
 
 
@@ -176,9 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     ms = lambda v: v * 1e3 if v is not None else None  # noqa: E731
     print_table(
         "predicted step time (ms): topology-blind DDP vs the topology-aware plan",
-        ["cluster", "GPU", "nodes", "model", "blind DDP", "plan, Ray order", "aware plan", "aware mesh",
-         "speedup", "where it matters"],
+        ["cluster", "GPU", "nodes", "model", "blind DDP", "equal-links plan", "plan, Ray order", "aware plan",
+         "aware mesh", "speedup", "where it matters"],
         [[Path(r["cluster"]).stem[:32], r["gpu"], r["nodes"], r["model"], ms(r["blind"]["step_s"]) if r["blind"]["fits"] else "no fit",
+          ms(r["equal_links"]["step_s"]) if r["equal_links"]["fits"] else "no fit",
           ms(r["placed"]["step_s"]), ms(r["aware"]["step_s"]),
           f"{r['aware']['strategy']} " + "x".join(str(v) for v in r["aware"]["mesh"].values()),
           r["speedup_vs_blind"], r["verdict"]] for r in rows],
