@@ -113,6 +113,18 @@ def test_placement_gain_aware_plan_is_never_slower_than_its_blind_baseline():
     assert row["aware"]["step_s"] <= row["blind"]["step_s"] * (1 + 1e-9)
     assert row["speedup_vs_blind"] == pytest.approx(row["blind"]["step_s"] / row["aware"]["step_s"])
     assert sorted(row["aware"]["gpu_order"]) == list(range(8))
+    # the plan a tool blind to the links would make is priced on the real wiring, never faster
+    assert row["equal_links"]["step_s"] >= row["aware"]["step_s"] * (1 - 1e-9)
+
+
+def test_equal_links_copy_flattens_each_node_and_leaves_the_original():
+    cl = {c["name"]: c for c in placement_gain.clusters(quick=True)}
+    topo = cl["topo_8x_rtxa6000_nvlink_pairs_unige3741.txt"]["topology"]
+    flat = placement_gain.equal_links(topo)
+    assert len({l.bandwidth_gbps for l in flat.nodes[0].links}) == 1
+    assert len({l.bandwidth_gbps for l in topo.nodes[0].links}) > 1
+    mean = sum(l.bandwidth_gbps for l in topo.nodes[0].links) / len(topo.nodes[0].links)
+    assert flat.nodes[0].links[0].bandwidth_gbps == pytest.approx(mean)
 
 
 def test_identity_layout_sees_the_pcie_hop_an_nvlink_pair_layout_avoids():
