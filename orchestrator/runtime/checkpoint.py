@@ -45,17 +45,24 @@ def _url(fs, path: str) -> str:
     return path if _is_local(fs) else fs.unstrip_protocol(path)
 
 
-def _manifest(fs, directory: str) -> dict[str, dict[str, Any]]:
+def _digest(fs, path: str) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return {"bytes": fs.size(path), "sha256": h.hexdigest()}
+
+
+def _manifest(fs, directory: str, rank: int) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of the files this rank wrote: DCP names each rank's shards `__<rank>_*`;
+    rank 0 also takes every other file (DCP's `.metadata`). Each rank reads only its own shards,
+    so hashing a checkpoint takes as long as its largest shard, not the sum of them."""
     files = {}
     for f in sorted(fs.find(directory)):
         name = f[len(directory) + 1:]
-        if name == META:
-            continue
-        h = hashlib.sha256()
-        with fs.open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        files[name] = {"bytes": fs.size(f), "sha256": h.hexdigest()}
+        owner = re.match(r"__(\d+)_", name)
+        if name != META and (int(owner.group(1)) == rank if owner else rank == 0):
+            files[name] = _digest(fs, f)
     return files
 
 
@@ -73,9 +80,11 @@ def save(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep
         fs.makedirs(target, exist_ok=True)
     dist.barrier()
     dcp.save(state, checkpoint_id=_url(fs, target))
-    dist.barrier()
+    parts: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, _manifest(fs, target, dist.get_rank()))
     if dist.get_rank() == 0:
-        record = {"step": step, **meta, "files": _manifest(fs, target)}
+        files = {name: rec for part in parts for name, rec in (part or {}).items()}
+        record = {"step": step, **meta, "files": dict(sorted(files.items()))}
         with fs.open(f"{target}/{META}", "w") as f:
             f.write(json.dumps(record, indent=2))
         if target != final:
@@ -105,8 +114,10 @@ def committed(root: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
-def verify(path: str) -> dict[str, Any]:
-    """meta.json of a committed checkpoint whose every file matches its manifest, else CheckpointError."""
+def verify(path: str, hashes: bool = True) -> dict[str, Any]:
+    """meta.json of a committed checkpoint whose every file matches its manifest, else
+    CheckpointError. `hashes=False` checks presence and sizes only (for ranks loading a
+    checkpoint the driver has just verified in full)."""
     fs, p = _fs(path)
     try:
         with fs.open(f"{p}/{META}", "r") as f:
@@ -121,11 +132,7 @@ def verify(path: str) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {path}: file {name} is missing")
         if fs.size(f) != want["bytes"]:
             raise CheckpointError(f"checkpoint {path}: file {name} has {fs.size(f)} bytes, expected {want['bytes']}")
-        h = hashlib.sha256()
-        with fs.open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != want["sha256"]:
+        if hashes and _digest(fs, f)["sha256"] != want["sha256"]:
             raise CheckpointError(f"checkpoint {path}: file {name} is corrupted (checksum mismatch)")
     return meta
 
