@@ -135,7 +135,7 @@ def _train_step(par, step: torch.Tensor, case: Case, dp_rank: int, dp_world: int
                 loss = par.model(x, y) / accum
             loss.backward()
         local += loss.detach()
-    norm = par.clip_grad_norm_(MAX_NORM)
+    norm = float(par.clip_grad_norm_(MAX_NORM))
     par.optimizer.step()
     # Every rank of a tp group holds the same loss, so the mean over all ranks is the dp mean.
     dist.all_reduce(local)

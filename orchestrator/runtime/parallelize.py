@@ -281,8 +281,10 @@ class Parallelized:
             for m in fsdp:
                 m.set_requires_gradient_sync(True, recurse=False)
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip all gradients to a global 2-norm of `max_norm`; returns the norm before clipping.
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip all gradients to a global 2-norm of `max_norm`; returns the norm before clipping,
+        as a 0-dim tensor on the device (reading it is the caller's choice: a `float()` here
+        would stall the step until backward and its reductions have finished).
 
         Gradients can be DTensors on different meshes (TP-sharded blocks on (dp, tp),
         replicated embeddings on dp only), which one foreach norm cannot mix, so the norm
@@ -297,7 +299,7 @@ class Parallelized:
             key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
             groups.setdefault(key, []).append(p)
         if not groups:
-            return 0.0
+            return torch.zeros(())
         norms = []
         for params in groups.values():
             n = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -305,7 +307,7 @@ class Parallelized:
         total = torch.nn.utils.get_total_norm(norms)
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return float(total)
+        return total
 
     def _local_optimizer(self) -> torch.optim.Optimizer:
         # ZeRO-1 keeps this rank's shard of the state in an ordinary optimizer over its partition.

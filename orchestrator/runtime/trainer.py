@@ -121,6 +121,19 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def _mark(self):
+        """A point in time on the device's stream; on a GPU an event, so timing never stalls it."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _seconds(self, start, end) -> float:
+        if self.device.type == "cuda":
+            return start.elapsed_time(end) / 1000.0
+        return end - start
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -178,26 +191,26 @@ class Trainer:
                     loss = model(x[sl], y[sl]) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
-        self._sync()
-        t_opt = time.perf_counter()
+        opt_start = self._mark()
         if self.scaler:
             self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
-        grad_norm = self.par.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else float("nan")
+        grad_norm = self.par.clip_grad_norm_(t.grad_clip) if t.grad_clip > 0 else None
         if self.scaler:
             self.scaler.step(self.par.optimizer)  # skipped when the gradients overflowed
             self.scaler.update()
         else:
             self.par.optimizer.step()
         self.par.optimizer.zero_grad(set_to_none=True)
-        self._sync()
-        opt_s = time.perf_counter() - t_opt
-        mean_loss = self._global_mean(total)
+        opt_end = self._mark()
+        mean_loss = self._global_mean(total)  # .item() waits for the step, so both marks are done
+        opt_s = self._seconds(opt_start, opt_end)
         step_s = time.perf_counter() - t0
         exposed = None
         if self.compute_micro_s is not None:
             exposed = max(0.0, step_s - opt_s - self.accum * self.compute_micro_s)
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
-                          tokens_per_s=self.tokens_per_step / step_s, grad_norm=float(grad_norm),
+                          tokens_per_s=self.tokens_per_step / step_s,
+                          grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                           exposed_comm_s=exposed)
 
     @torch.no_grad()
