@@ -9,6 +9,7 @@ cross-field invariants below; the first problem raises :class:`ConfigError` nami
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -16,13 +17,8 @@ from typing import Any, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from .errors import ConfigError
-
-STRATEGIES = ("auto", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-RECOMPUTE = ("auto", "none", "selective", "full")
-COMPRESSION = ("auto", "none", "fp16", "bf16", "powersgd")
-SYNC_ALGORITHMS = ("auto", "flat", "hierarchical")
 
 
 @dataclass
@@ -83,7 +79,7 @@ class TrainConfig:
     """Evaluate the validation loss every this many steps (and at the first and last step)."""
     eval_iters: int = 10
     """Validation batches per evaluation."""
-    precision: str = "auto"
+    precision: Precision = Precision.auto
     """`auto` (bf16 autocast on GPU, fp32 on CPU), `bf16`, `fp16` or `fp32`."""
     seed: int = 1337
     """Seed for model init and data order; the same seed gives the same run."""
@@ -95,19 +91,19 @@ class TrainConfig:
 class ParallelConfig:
     """Sharding strategy and gradient sync; `auto` leaves a choice to the planner."""
 
-    strategy: str = "auto"
+    strategy: Strategy = Strategy.auto
     """`auto`, `ddp`, `zero1`, `zero2`, `zero3` (= `fsdp`) or `hsdp`."""
     tp: Union[int, str] = "auto"
     """Tensor-parallel degree (inside an NVLink domain); `auto` lets the planner choose."""
     dp_shard: Union[int, str] = "auto"
     """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
-    recompute: str = "auto"
+    recompute: Recompute = Recompute.auto
     """Activation recomputation: `auto`, `none`, `selective` or `full`."""
     bucket_mb: Union[float, str] = "auto"
     """DDP gradient bucket size in MB; `auto` sizes it from the link latency and bandwidth."""
-    sync: str = "auto"
+    sync: SyncAlgorithm = SyncAlgorithm.auto
     """Gradient all-reduce schedule: `auto`, `flat` or `hierarchical` (intra, inter, intra)."""
-    compression: str = "auto"
+    compression: Compression = Compression.auto
     """Gradient compression: `auto` (only when comm-bound and allowed), `none`, `fp16`, `bf16`, `powersgd`."""
     allow_compression: bool = False
     """Let `auto` pick a lossy gradient compression when communication dominates."""
@@ -127,8 +123,8 @@ class ClusterConfig:
     """GPU model to plan for when the topology does not name one (e.g. `H100`)."""
     inter_node_gbps: Optional[float] = None
     """Network bandwidth out of one node, GB/s per direction; None derives it from the NICs."""
-    inter_node_latency_us: float = 10.0
-    """One-way latency between nodes, microseconds."""
+    inter_node_latency_us: Optional[float] = None
+    """One-way latency between nodes, microseconds; None keeps the probed (or default) figure."""
     measure: bool = False
     """Time the links (and each device's matmul rate) before planning, as `probe --measure`
     does; results are cached per node, so only a node's first job pays for it."""
@@ -225,6 +221,9 @@ def _friendly(e: OmegaConfBaseException, source: str) -> ConfigError:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         allowed = _allowed_keys(parent)
         return ConfigError(f"{source}: unknown key '{key}'; allowed here: {', '.join(allowed)}")
+    enum = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", msg)
+    if enum:  # a choice (orchestrator.choices): say it the way every other key's error reads
+        return ConfigError(f"{source}: key '{key}': expected one of {enum.group(2)}, got {enum.group(1)!r}")
     return ConfigError(f"{source}: key '{key}': {msg}")
 
 
@@ -281,11 +280,6 @@ def _auto_or_positive_int(value: Any, key: str) -> None:
         raise ConfigError(f"key '{key}': expected 'auto' or a positive integer, got {value!r}")
 
 
-def _one_of(value: Any, allowed: tuple[str, ...], key: str) -> None:
-    if value not in allowed:
-        raise ConfigError(f"key '{key}': expected one of {', '.join(allowed)}, got {value!r}")
-
-
 def _positive(value: float, key: str, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"key '{key}': must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
@@ -314,13 +308,8 @@ def validate(cfg: JobConfig) -> None:
     _positive(t.eval_interval, "train.eval_interval")
     _positive(t.eval_iters, "train.eval_iters")
     _positive(t.max_failures, "train.max_failures", allow_zero=True)
-    _one_of(t.precision, PRECISIONS, "train.precision")
-    _one_of(p.strategy, STRATEGIES, "parallel.strategy")
     _auto_or_positive_int(p.tp, "parallel.tp")
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
-    _one_of(p.recompute, RECOMPUTE, "parallel.recompute")
-    _one_of(p.sync, SYNC_ALGORITHMS, "parallel.sync")
-    _one_of(p.compression, COMPRESSION, "parallel.compression")
     if p.bucket_mb != "auto" and (isinstance(p.bucket_mb, str) or p.bucket_mb <= 0):
         raise ConfigError(f"key 'parallel.bucket_mb': expected 'auto' or a positive number, got {p.bucket_mb!r}")
     if p.tp != "auto" and m.n_head % p.tp:

@@ -18,6 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .errors import PlacementError
+from .planning import Plan
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -42,14 +43,14 @@ class Placement:
             pass
 
 
-def _bundles(plan: dict[str, Any], use_gpu: bool, cpus: float, pin: bool) -> tuple[list[dict], list[dict] | None]:
+def _bundles(plan: Plan, use_gpu: bool, cpus: float, pin: bool) -> tuple[list[dict], list[dict] | None]:
     bundles, selectors = [], []
-    for r in plan["ranks"]:
+    for r in plan.ranks:
         b: dict[str, float] = {"CPU": cpus}
         if use_gpu:
             b["GPU"] = 1
         bundles.append(b)
-        selectors.append({NODE_ID_LABEL: r["node"]})
+        selectors.append({NODE_ID_LABEL: r.node})
     return bundles, (selectors if pin else None)
 
 
@@ -79,7 +80,7 @@ def _bundle_gpu() -> tuple[str, int]:
 
 
 def place(
-    plan: dict[str, Any],
+    plan: Plan,
     *,
     job: str,
     use_gpu: bool,
@@ -103,7 +104,7 @@ def place(
             f"(cluster.placement_timeout_s): {msg}"
         )
 
-    ranks = plan["ranks"]
+    ranks = plan.ranks
     bundle_of_rank = list(range(len(ranks)))
     if use_gpu:
         held = ray.get([
@@ -115,26 +116,26 @@ def place(
         ])
         bundle_at = {(node, gpu): i for i, (node, gpu) in enumerate(held)}
         try:
-            bundle_of_rank = [bundle_at[(r["node"], r["gpu"])] for r in ranks]
+            bundle_of_rank = [bundle_at[(r.node, r.gpu)] for r in ranks]
         except KeyError:
             remove_placement_group(pg)
             got = sorted(f"{n[:8]}:{g}" for n, g in held)
-            want = sorted(f"{r['node'][:8]}:{r['gpu']}" for r in ranks)
+            want = sorted(f"{r.node[:8]}:{r.gpu}" for r in ranks)
             raise PlacementError(f"Ray reserved GPUs {got} but the plan needs {want}; "
                                  f"plan for all GPUs of each node or free the others") from None
 
     slot_on_node: dict[str, int] = defaultdict(int)
     actors = []
     for r in ranks:
-        slot = slot_on_node[r["node"]]
-        slot_on_node[r["node"]] += 1
+        slot = slot_on_node[r.node]
+        slot_on_node[r.node] += 1
         actors.append(
             Worker.options(
-                name=f"{job}/rank-{r['rank']}",
+                name=f"{job}/rank-{r.rank}",
                 num_cpus=cpus_per_worker,
                 num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=bundle_of_rank[r["rank"]]
+                    pg, placement_group_bundle_index=bundle_of_rank[r.rank]
                 ),
                 # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
                 # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
@@ -142,7 +143,7 @@ def place(
                 runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
                                           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
                 max_restarts=0,
-            ).remote(r["rank"], len(ranks), slot, threads_per_worker)
+            ).remote(r.rank, len(ranks), slot, threads_per_worker)
         )
     placement = Placement(group=pg, actors=actors)
     try:
@@ -154,13 +155,13 @@ def place(
     return placement
 
 
-def check_layout(plan: dict[str, Any], reports: list[dict[str, Any]], use_gpu: bool) -> None:
+def check_layout(plan: Plan, reports: list[dict[str, Any]], use_gpu: bool) -> None:
     """Stop before training when an actor does not run on its planned node and device."""
-    for want, got in zip(plan["ranks"], reports):
-        if got["node_id"] != want["node"] or (use_gpu and got["gpu"] != want["gpu"]):
+    for want, got in zip(plan.ranks, reports):
+        if got["node_id"] != want.node or (use_gpu and got["gpu"] != want.gpu):
             where = f"node {got['node_id'][:12]} GPU {got['gpu']}" if use_gpu else f"node {got['node_id'][:12]}"
             raise PlacementError(
-                f"rank {want['rank']} runs on {where} but the plan put it on node {want['node'][:12]} "
-                f"device {want['gpu']}; the layout does not match the plan"
+                f"rank {want.rank} runs on {where} but the plan put it on node {want.node[:12]} "
+                f"device {want.gpu}; the layout does not match the plan"
             )
 

@@ -3,7 +3,8 @@
 `--topology FILE` (any probe format, one node) with `--nodes N` and `--gpu MODEL` describes a
 cluster without probing; so does `cluster.topology_file` (and `cluster.nodes`) in the job, e.g.
 through a ready shape in `conf/cluster/`. The network between nodes comes from
-`cluster.inter_node_gbps` / `cluster.inter_node_latency_us`, else from the capture's NICs.
+`cluster.inter_node_gbps` / `cluster.inter_node_latency_us`, else from the capture's NICs, as
+for a probed cluster (`topology.network`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from ..config import JobConfig, conf_dir, load_config
 from ..errors import ConfigError
-from ..topology.model import ClusterTopology, Network
+from ..topology.model import ClusterTopology
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,15 +41,13 @@ def _resolve(path: str, job: str | None) -> Path:
 
 def described_topology(cfg: JobConfig, path: str, nodes: int, job: str | None) -> ClusterTopology:
     """The cluster of `nodes` copies of the capture at `path`, with the job's network settings."""
-    from ..planning.describe import describe_cluster, network_from_nics
+    from ..planning.describe import describe_cluster
     from ..topology.files import load_topology_file
+    from ..topology.network import network_from_nodes
 
     node = load_topology_file(_resolve(path, job), cfg.cluster.gpu)
-    if cfg.cluster.inter_node_gbps is not None:
-        network = Network(cfg.cluster.inter_node_gbps, cfg.cluster.inter_node_latency_us, "config")
-    else:
-        network = network_from_nics(node, cfg.cluster.inter_node_latency_us)
-    return describe_cluster(node, nodes, network, cfg.cluster.gpu)
+    # The job's cluster.inter_node_* settings take over from this figure when the plan is made.
+    return describe_cluster(node, nodes, network_from_nodes([node]), cfg.cluster.gpu)
 
 
 def live_topology(cfg: JobConfig) -> ClusterTopology:

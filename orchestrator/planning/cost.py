@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from .comm import GroupLinks, all_reduce, gloo_all_reduce, group_all_gather, group_all_reduce, group_reduce_scatter
 from .compute import DeviceSpeed, efficiency, matmul_seconds, optimizer_seconds
-from .layout import AXES, ClusterLayout
+from .layout import ClusterLayout
 from .memory import ByteLayout, MemoryBreakdown, block_params, params_per_tp_rank, rank_memory, runtime_states
+from .mesh import Mesh
 from .model_math import ModelShape, flops_per_step
+from .resolve import Execution, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
 
 GB = 1e9
@@ -41,19 +44,26 @@ class JobContext:
     """Ranks on each node."""
     powersgd_ratio: float
     """Bytes PowerSGD sends per gradient byte."""
+    precision: Precision = Precision.auto
+    """`train.precision`, as `resolve` turns it into what runs on this kind of device."""
+    max_steps: int = 0
+    """Optimizer steps of the run (PowerSGD's plain-all-reduce warm-up is a share of them)."""
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.on_gpu else "cpu"
 
 
 @dataclass(frozen=True)
 class Choice:
     """One point of the search space."""
 
-    strategy: str
-    mesh: tuple[int, int, int]
-    """(dp_replicate, dp_shard, tp)."""
+    strategy: Strategy
+    mesh: Mesh
     micro_batch: int
-    recompute: str
-    compression: str = "none"
-    algorithm: str = "auto"
+    recompute: Recompute
+    compression: Compression = Compression.none
+    algorithm: SyncAlgorithm = SyncAlgorithm.auto
     """Requested all-reduce schedule: auto, flat or hierarchical."""
     bucket_mb: float | None = None
     """Forced DDP bucket size; None sizes it."""
@@ -64,6 +74,8 @@ class Estimate:
     """A candidate's predicted cost."""
 
     choice: Choice
+    execution: Execution
+    """What runs for the choice (`resolve`), as it was priced."""
     memory: MemoryBreakdown
     compute_s: float
     comm_s: float
@@ -85,7 +97,7 @@ class Estimate:
 def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
     """The links a group of `axis` runs over: its in-node ring, and its share of the network
     (every group of the axis on a node communicates at once, so they split the node's ports)."""
-    size = cl.mesh[AXES.index(axis)]
+    size = cl.mesh.size(axis)
     per_node = cl.per_node[axis]
     ring = cl.rings[axis]
     spans = size > per_node
@@ -96,24 +108,28 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
-def _runs_flat(requested: str, why: str) -> str:
-    """What a schedule adds when the config forced a hierarchical all-reduce the runtime cannot run."""
-    return f" (parallel.sync=hierarchical runs flat: {why})" if requested == "hierarchical" else ""
+def execution(ctx: JobContext, c: Choice, bucket_mb: float | None = None) -> Execution:
+    """What runs for choice `c` (Unsupported when it cannot run at all)."""
+    return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
+                   compression=c.compression, algorithm=c.algorithm, bucket_mb=bucket_mb or c.bucket_mb or 25.0,
+                   max_steps=ctx.max_steps)
 
 
 def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
-    """Memory and step time of choice `c` on layout `cl`."""
+    """Memory and step time of choice `c` on layout `cl`, as `resolve` says it runs;
+    Unsupported when it cannot run at all."""
     shape, lay = ctx.shape, ctx.layout
-    rep, shard, tp = c.mesh
-    world = rep * shard * tp
-    dp = rep * shard
+    ex = execution(ctx, c)
+    tp, world, dp = c.mesh.tp, c.mesh.world_size, c.mesh.dp
     accum = ctx.global_batch // (dp * c.micro_batch)
     p_rank = params_per_tp_rank(shape, tp)
     block = block_params(shape) / tp
-    shard_group = 1 if c.strategy == "ddp" else shard
-    # ZeroRedundancyOptimizer cannot hold DTensor shards, so with tensor parallelism the
-    # runtime runs zero1 as zero2 (FSDP2, weights gathered in the autocast dtype): price that.
-    wrapping = "zero2" if c.strategy == "zero1" and tp > 1 else c.strategy
+    wrapping = ex.wrapping
+    # FSDP2 over a shard group of one (ddp with tensor parallelism) all-reduces per unit while
+    # backward runs, as DDP's buckets do: both are priced as DDP's bucketed all-reduce.
+    ddp_priced = ex.ddp_reduces or c.strategy == Strategy.ddp
+    flat_note = (f" (parallel.sync=hierarchical runs flat: {ex.flat_reason})"
+                 if c.algorithm == SyncAlgorithm.hierarchical and ex.flat_reason else "")
 
     # Compute: the job's hardware FLOPs split evenly over the ranks.
     flops = flops_per_step(shape, ctx.global_batch, c.recompute) / world
@@ -121,7 +137,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     mm = matmul_seconds(flops, ctx.speed, eff)
     fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / flops_per_step(shape, ctx.global_batch, c.recompute)
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
-    st = runtime_states(c.strategy, shape, tp, shard_group, lay)
+    st = runtime_states(c.strategy, shape, tp, ex.shard_group, lay)
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
 
     # Tensor parallelism: two all-reduces of a block's activations forward, two backward
@@ -139,34 +155,29 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         parts["tp"] = accum * shape.layers * n * per_ar
     tp_s = parts.get("tp", 0.0)
 
-    grad_wire = wire_bytes_per_grad(c.compression, lay.grads, ctx.powersgd_ratio)
+    grad_wire = wire_bytes_per_grad(ex.compression, lay.grads, ctx.powersgd_ratio,
+                                    ex.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
     grad_bytes = p_rank * grad_wire
     overlap = ctx.on_gpu
     exposed = tp_s
     schedule = "none (one data-parallel rank)"
-    if wrapping in ("ddp", "zero1"):
-        axis = "dp_replicate" if wrapping == "ddp" else "dp_shard"
+    if ddp_priced:
+        axis = "dp_replicate" if c.strategy == Strategy.ddp else "dp_shard"
         gl = group_links(ctx, cl, axis)
         bucket_mb = c.bucket_mb or auto_bucket_mb(grad_bytes, gl.size, gl.flat_gbps, gl.flat_lat_us)
-        if wrapping == "ddp":
-            # The hierarchical schedule is a DDP comm hook; with tp>1 ddp runs on FSDP2 instead,
-            # and PowerSGD's hook replaces the all-reduce with its own low-rank one.
-            flat_why = (f"ddp with tp={tp} reduces gradients through FSDP2, which has no comm hook" if tp > 1
-                        else "powersgd compression is its own all-reduce scheme" if c.compression == "powersgd"
-                        else "")
-            algo = "flat" if flat_why else c.algorithm
+        if wrapping != Strategy.zero1:
+            algo = str(ex.sync_algorithm)
             red, schedule = group_all_reduce(grad_bytes, gl, algo)
             tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, algo)
             parts["grad all-reduce"] = red
-            if flat_why:
-                schedule += _runs_flat(c.algorithm, flat_why)
+            schedule += flat_note
         else:
             red = group_reduce_scatter(grad_bytes, gl)
             tail = group_reduce_scatter(min(bucket_mb * MB, grad_bytes), gl)
             gather = group_all_gather(p_rank * lay.weights, gl)
             parts["grad reduce-scatter"], parts["param all-gather"] = red, gather
             schedule = "flat ring reduce-scatter + all-gather" if gl.size > 1 else schedule
-            schedule += _runs_flat(c.algorithm, "zero1 is planned as a flat reduce-scatter and all-gather")
+            schedule += flat_note
             exposed += gather
         exposed += (max(0.0, red - bwd) + tail) if overlap and gl.size > 1 else red
     else:
@@ -177,7 +188,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         gather_w = p_rank * lay.compute
         ag = group_all_gather(gather_w, gl)
         ag_block = group_all_gather(block * lay.compute, gl)
-        if wrapping == "zero2":
+        if not ex.reshard_after_forward:
             # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
             parts["grad reduce-scatter"], parts["param all-gather"] = accum * rs, ag
             exposed += accum * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap else accum * rs + ag
@@ -189,22 +200,19 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             else:
                 exposed += accum * (2 * ag + rs)
         schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
-        if wrapping == "hsdp":
+        if ex.fsdp_replicates:
             # FSDP2 all-reduces across replicas in one flat group: hsdp's mesh is the hierarchy.
             rl = group_links(ctx, cl, "dp_replicate")
-            ar, sched = group_all_reduce(grad_bytes / shard, rl, "flat")
+            ar, sched = group_all_reduce(grad_bytes / ex.shard_group, rl, "flat")
             parts["replica all-reduce"] = ar
             exposed += ar
             schedule = f"{schedule}; replicas: {sched}"
-        fsdp_why = ("hsdp's mesh already is the hierarchy (shards inside, replicas across) and FSDP2 has no "
-                    "comm hook for its replica all-reduce" if wrapping == "hsdp"
-                    else f"{wrapping} reduces gradients through FSDP2, which has no comm hook")
-        schedule += _runs_flat(c.algorithm, fsdp_why)
+        schedule += flat_note
     comm_s = sum(parts.values())
     algorithm = "hierarchical" if schedule.startswith("hierarchical") else "flat"
-    sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=algorithm, compression=c.compression,
+    sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=SyncAlgorithm(algorithm), compression=ex.compression,
                     grad_accum_steps=accum, overlap=overlap)
-    mem = rank_memory(c.strategy, shape, tp, shard_group, c.micro_batch, c.recompute, lay,
-                      bucket_mb * MB if wrapping in ("ddp", "zero1") else 0.0, ctx.on_gpu)
-    return Estimate(choice=c, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=min(exposed, comm_s),
+    mem = rank_memory(c.strategy, shape, tp, ex.shard_group, c.micro_batch, c.recompute, lay,
+                      bucket_mb * MB if ex.ddp_reduces else 0.0, ctx.on_gpu)
+    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=min(exposed, comm_s),
                     sync=sync, comm_parts=parts, schedule=schedule)

@@ -30,12 +30,3 @@ def describe_cluster(node: NodeTopology, nodes: int, network: Network, gpu: str 
     base = with_gpu(node, gpu) if gpu else NodeTopology.from_dict(node.to_dict())
     base.node_id = None
     return ClusterTopology(nodes=[base] * nodes, network=network)
-
-
-def network_from_nics(node: NodeTopology, latency_us: float) -> Network:
-    """The network out of a node summed from its NICs' line rates (Gbit/s -> GB/s), as NCCL
-    sums them for its inter-node rings; the default figure when the capture lists no speeds."""
-    speeds = [n.speed_gbps for n in node.nics if n.speed_gbps]
-    if not speeds:
-        return Network(latency_us=latency_us)
-    return Network(bandwidth_gbps=round(sum(speeds) / 8, 3), latency_us=latency_us, source="nics")

@@ -56,7 +56,9 @@ GPU_TABLE: tuple[GpuSpec, ...] = (
 
 # One CPU slot (a gloo rank with a share of the host's cores): a deliberately modest figure.
 # The planner only needs CPU slots to compare strategies with each other, never with GPUs.
-CPU_SLOT = GpuSpec("cpu", 0.2, 0, 20.0, 0.2, ("CPU",))
+# A CPU slot's memory is the probe's (its share of the host's); a cluster described without one
+# (a JSON or a test) is assumed to have this much per slot, never the planning host's own.
+CPU_SLOT = GpuSpec("cpu", 0.2, 8 * GIB, 20.0, 0.2, ("CPU",))
 
 
 def lookup(name: str | None) -> GpuSpec | None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..topology.model import ClusterTopology, NodeTopology
+from .mesh import Mesh, RankPlacement
 
-AXES = ("dp_replicate", "dp_shard", "tp")
 # Beyond these counts the exhaustive searches fall back to greedy construction.
 _MAX_CYCLES = 50_000
 _MAX_PARTITIONS = 20_000
@@ -75,10 +75,10 @@ class NodeLayout:
     """True when every pair of GPUs has equal links, so any layout is as good as another."""
 
 
-def in_node_shape(mesh: tuple[int, int, int], g: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) members inside one node of g ranks; ValueError when the
-    mesh does not cut into whole nodes."""
-    rep, shard, tp = mesh
+def in_node_shape(mesh: Mesh, g: int) -> Mesh:
+    """The members of each axis inside one node of g ranks; ValueError when the mesh does not
+    cut into whole nodes."""
+    rep, shard, tp = mesh.shape
     if g < 1:
         raise ValueError(f"a node needs at least one device, got {g}")
     if tp > g or g % tp:
@@ -87,12 +87,12 @@ def in_node_shape(mesh: tuple[int, int, int], g: int) -> tuple[int, int, int]:
     if shard >= rest:
         if shard % rest:
             raise ValueError(f"dp_shard={shard} must be a multiple of the {rest} tp groups of a node, or divide it")
-        return 1, rest, tp
+        return Mesh(1, rest, tp)
     if rest % shard:
         raise ValueError(f"dp_shard={shard} must divide the {rest} tp groups of a node, or be a multiple of it")
     if rep * shard * tp < g:
         raise ValueError(f"the mesh {mesh} has fewer ranks than one node's {g} devices")
-    return rest // shard, shard, tp
+    return Mesh(rest // shard, shard, tp)
 
 
 def _ring(members: list[int], closed: bool, table: dict[tuple[int, int], tuple[float, float]]) -> tuple[float, float, float]:
@@ -302,9 +302,8 @@ class Wirings:
 class ClusterLayout:
     """Layouts of every node for one mesh (nodes with equal wiring share one)."""
 
-    mesh: tuple[int, int, int]
-    """(dp_replicate, dp_shard, tp)."""
-    shape_in: tuple[int, int, int]
+    mesh: Mesh
+    shape_in: Mesh
     """Members of each axis inside one node."""
     layouts: tuple[NodeLayout, ...]
     """One per distinct wiring (`Wirings.unique`)."""
@@ -321,38 +320,28 @@ class ClusterLayout:
         return all(l.uniform for l in self.layouts)
 
 
-def cluster_layout(wirings: Wirings, mesh: tuple[int, int, int], topology_aware: bool = True) -> ClusterLayout:
+def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True) -> ClusterLayout:
     """Lay the mesh out on the cluster; ValueError when the mesh does not cut into its nodes.
     `topology_aware` False keeps every node's device order (see `node_layout`)."""
     g = wirings.devices_per_node
-    world = math.prod(mesh)
+    world = mesh.world_size
     if world != g * len(wirings.node_index):
         raise ValueError(f"the mesh {mesh} has {world} ranks, the cluster {g * len(wirings.node_index)} devices")
     shape_in = in_node_shape(mesh, g)
-    spans = tuple(full > inside for full, inside in zip(mesh, shape_in))
-    layouts = tuple(node_layout(w, shape_in, spans, topology_aware) for w in wirings.unique)
+    spans = tuple(full > inside for full, inside in zip(mesh.shape, shape_in.shape))
+    layouts = tuple(node_layout(w, shape_in.shape, spans, topology_aware) for w in wirings.unique)
     rings = {}
     for axis in ("tp", "dp_shard", "dp_replicate"):
         stats = [l.rings[axis] for l in layouts]
         rings[axis] = RingStats(min(s.gbps for s in stats), max(s.lat_us for s in stats))
-    return ClusterLayout(mesh, shape_in, layouts, wirings.node_index, rings, dict(zip(AXES, shape_in)))
+    return ClusterLayout(mesh, shape_in, layouts, wirings.node_index, rings, shape_in.to_dict())
 
 
-def rank_placements(topo: ClusterTopology, layout: ClusterLayout) -> list[dict]:
-    """`{rank, node, gpu}` for every global rank."""
+def rank_placements(topo: ClusterTopology, layout: ClusterLayout) -> tuple[RankPlacement, ...]:
+    """The node and GPU of every global rank, in rank order."""
     out = []
     for n, node in enumerate(topo.nodes):
         order = layout.layouts[layout.node_index[n]].order
         name, base = node_name(node, n), n * len(order)
-        out.extend({"rank": base + j, "node": name, "gpu": gpu} for j, gpu in enumerate(order))
-    return out
-
-
-def mesh_groups(mesh: tuple[int, int, int]) -> dict[str, list[list[int]]]:
-    """Rank sets along each axis of a (dp_replicate, dp_shard, tp) mesh, init_device_mesh's numbering."""
-    rep, shard, tp = mesh
-    return {
-        "dp_replicate": [[(r * shard + s) * tp + t for r in range(rep)] for s in range(shard) for t in range(tp)],
-        "dp_shard": [[(r * shard + s) * tp + t for s in range(shard)] for r in range(rep) for t in range(tp)],
-        "tp": [[(r * shard + s) * tp + t for t in range(tp)] for r in range(rep) for s in range(shard)],
-    }
+        out.extend(RankPlacement(base + j, name, gpu) for j, gpu in enumerate(order))
+    return tuple(out)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .model_math import ModelShape, activation_bytes, block_params, root_params, tp_param_split
+from ..choices import Precision, Strategy
+from .model_math import ModelShape, activation_bytes, root_params, tp_param_split
+from .resolve import resolve_precision, wrapping_of
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+STRATEGIES = Strategy.concrete()
 # Under ZeRO-3 a rank holds the gathered block being computed and the one being prefetched.
 FSDP_PREFETCH_BLOCKS = 2
 # NCCL communicators' staging buffers and cuBLAS workspaces: a few hundred MB on a GPU.
@@ -68,11 +70,12 @@ def byte_layout(precision: str, device_kind: str = "gpu") -> ByteLayout:
     on CPU: 4 + 4 + 8 with fp32 activations and gathers. This is the runtime's
     `resolve_precision`: only `auto` means fp32 on CPU.
     """
-    if precision not in ("auto", "bf16", "fp16", "fp32"):
-        raise ValueError(f"precision must be one of auto, bf16, fp16, fp32, got {precision!r}")
-    if precision == "fp32" or (precision == "auto" and device_kind == "cpu"):
+    if precision not in Precision.__members__:
+        raise ValueError(f"precision must be one of {Precision.names()}, got {precision!r}")
+    autocast = resolve_precision(precision, device_kind)
+    if autocast is None:
         return ByteLayout("fp32 weights, gradients and Adam moments", 4, 4, 8, 4, 4)
-    half = "fp16" if precision == "fp16" else "bf16"
+    half = str(autocast)
     # The runtime gives FSDP2 the autocast dtype as param_dtype (torchtitan's policy), so the
     # gathered weights and the all-gather are 16-bit; the fp32 shards are the master weights.
     return ByteLayout(f"fp32 master weights, gradients and Adam moments; {half} autocast and FSDP2 gathers",
@@ -141,14 +144,6 @@ class StateBytes:
     them (transient)."""
 
 
-def runtime_strategy(strategy: str, tp: int) -> str:
-    """The wrapping the runtime really applies (`runtime.parallelize`). With tensor parallelism
-    DDP cannot reduce DTensor gradients and ZeroRedundancyOptimizer cannot hold DTensor shards,
-    so ddp runs as FSDP2 over a shard group of one and zero1 as zero2: both are zero2's
-    wrapping (reshard_after_forward=False), ddp's with nothing sharded."""
-    return "zero2" if strategy in ("ddp", "zero1") and tp > 1 else strategy
-
-
 def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout) -> StateBytes:
     """Model-state bytes one rank keeps under the runtime's wrapping of the GPT.
 
@@ -168,7 +163,7 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
         raise ValueError(f"shard group size must be >= 1, got {shard}")
     if tp < 1:
         raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
-    strategy = runtime_strategy(strategy, tp)
+    strategy = wrapping_of(strategy, tp)
     p = params_per_tp_rank(shape, tp)
     if strategy in ("ddp", "zero1"):
         w, g, k = model_states(strategy, p, shard, layout)
@@ -190,7 +185,7 @@ def buffer_bytes(
     """Transient buffers: two gradient buckets in flight for DDP-style reduction, or FSDP2's
     gathered weights and unsharded gradients (`runtime_states`); the tensor-parallel gather of
     one block input; the GPU libraries' workspaces."""
-    if runtime_strategy(strategy, tp) in ("ddp", "zero1"):
+    if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
         comm = 2 * bucket_bytes
     else:
         st = runtime_states(strategy, shape, tp, shard, layout)

@@ -5,27 +5,44 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from ..choices import Choice, Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
 from ..errors import PlanError
 from ..topology.model import ClusterTopology
 from .compute import DeviceSpeed, device_speed
-from .cost import Estimate, JobContext
+from .cost import Estimate, JobContext, execution
 from .gpus import known_names
-from .layout import AXES, ClusterLayout, Wirings, mesh_groups, rank_placements
-from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, byte_layout, usable_bytes
+from .layout import ClusterLayout, Wirings, rank_placements
+from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
+from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
+from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
-from .sync import powersgd_ratio
+from .sync import SyncPlan, powersgd_ratio
 
 GB = 1e9
 
 
-@dataclass
+@dataclass(frozen=True)
+class ModelSummary:
+    """The model as the planner priced it."""
+
+    params: int
+    """Distinct parameters."""
+    flops_per_step: float
+    """Model FLOPs of one optimizer step (MFU's numerator)."""
+    peak_tflops_per_rank: float
+    """The device peak the compute model used; MFU is measured against it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one optimizer step on each rank."""
 
@@ -38,92 +55,150 @@ class StepTime:
     total_s: float
     """compute_s + exposed_comm_s."""
 
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
 
-@dataclass
+
+@dataclass(frozen=True)
+class Alternative:
+    """A runner-up or a rejected candidate, and why it was not chosen."""
+
+    strategy: Strategy
+    mesh: Mesh
+    fits: bool
+    reason: str
+    micro_batch_size: int | None = None
+    recompute: Recompute | None = None
+    compression: Compression | None = None
+    step_time_s: float | None = None
+    """Predicted step time; None for a candidate that could not be estimated."""
+    memory_per_rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"strategy": str(self.strategy), "mesh": self.mesh.to_dict(), "micro_batch_size": self.micro_batch_size,
+                "recompute": None if self.recompute is None else str(self.recompute),
+                "compression": None if self.compression is None else str(self.compression), "fits": self.fits,
+                "reason": self.reason, "step_time_s": self.step_time_s, "memory_per_rank": self.memory_per_rank}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Alternative":
+        opt = lambda enum, v: None if v is None else enum(v)  # noqa: E731
+        return cls(strategy=Strategy(d["strategy"]), mesh=Mesh.from_dict(d["mesh"]), fits=bool(d["fits"]),
+                   reason=d["reason"], micro_batch_size=d.get("micro_batch_size"),
+                   recompute=opt(Recompute, d.get("recompute")), compression=opt(Compression, d.get("compression")),
+                   step_time_s=d.get("step_time_s"), memory_per_rank=d.get("memory_per_rank"))
+
+
+def _execution_to_dict(ex: Execution) -> dict[str, Any]:
+    return {f.name: (getattr(ex, f.name).to_dict() if f.name == "mesh" else list(ex.notes) if f.name == "notes"
+                     else None if getattr(ex, f.name) is None
+                     else str(getattr(ex, f.name)) if isinstance(getattr(ex, f.name), Choice)
+                     else getattr(ex, f.name))
+            for f in fields(ex)}
+
+
+def _execution_from_dict(d: dict[str, Any]) -> Execution:
+    return Execution(
+        strategy=Strategy(d["strategy"]), mesh=Mesh.from_dict(d["mesh"]), device=d["device"],
+        wrapping=Strategy(d["wrapping"]),
+        shard_group=int(d["shard_group"]), ddp_reduces=bool(d["ddp_reduces"]), zero_optimizer=bool(d["zero_optimizer"]),
+        reshard_after_forward=bool(d["reshard_after_forward"]), fsdp_replicates=bool(d["fsdp_replicates"]),
+        autocast=None if d["autocast"] is None else Precision(d["autocast"]), param_dtype=Precision(d["param_dtype"]),
+        loss_scaling=bool(d["loss_scaling"]), sync_algorithm=SyncAlgorithm(d["sync_algorithm"]),
+        compression=Compression(d["compression"]), compression_warmup_steps=int(d["compression_warmup_steps"]),
+        recompute=Recompute(d["recompute"]), bucket_mb=float(d["bucket_mb"]), flat_reason=d.get("flat_reason", ""),
+        notes=tuple(d.get("notes", ())),
+    )
+
+
+@dataclass(frozen=True)
 class Plan:
-    """How a job runs on a cluster; `to_dict()` is the JSON contract of `plan --json`."""
+    """How a job runs on a cluster. The runtime receives this object itself; `to_dict()` is
+    the JSON contract of plan.json and `plan --json`."""
 
-    model: dict[str, Any]
-    """`params` (distinct parameters), `flops_per_step` (model FLOPs of one optimizer step),
-    `peak_tflops_per_rank` (the device peak the compute model used; MFU is measured against it)."""
-    strategy: str
+    model: ModelSummary
+    strategy: Strategy
     """`ddp`, `zero1`, `zero2`, `zero3` or `hsdp`."""
-    mesh: dict[str, int]
-    """Axis -> size, always `dp_replicate`, `dp_shard`, `tp` in that order."""
-    ranks: list[dict[str, Any]]
-    """`{rank, node, gpu}` per global rank: the node's id (`node<i>` for a capture) and GPU index."""
-    groups: dict[str, list[list[int]]]
-    """Axis -> the rank sets varying along it (init_device_mesh's numbering)."""
-    memory_per_rank: dict[str, int]
-    """Bytes: `params`, `grads`, `optimizer`, `activations`, `buffers`, `total`."""
+    mesh: Mesh
+    ranks: tuple[RankPlacement, ...]
+    """Where every global rank runs, in rank order."""
+    memory_per_rank: MemoryBreakdown
+    """Predicted peak bytes of one rank."""
     fits: bool
     """Whether memory_per_rank.total fits the usable memory of every rank."""
     reason: str
     """One line: why this plan (or why it does not fit)."""
-    step_time: dict[str, float]
-    """`compute_s`, `comm_s`, `exposed_comm_s`, `total_s`."""
-    sync: dict[str, Any]
-    """`bucket_mb`, `algorithm`, `compression`, `grad_accum_steps`, `overlap`."""
-    alternatives: list[dict[str, Any]]
-    """The runners-up and rejected candidates, each with its reason."""
+    step_time: StepTime
+    sync: SyncPlan
+    execution: Execution
+    """What really runs (`resolve`): wrapping, precision, sync and compression schedule."""
     micro_batch_size: int
     """Sequences per rank per forward/backward."""
-    recompute: str
-    """`none`, `selective` or `full`."""
-    world_size: int
-    """Ranks in all."""
-    explanation: list[str] = field(default_factory=list)
+    recompute: Recompute
+    alternatives: tuple[Alternative, ...] = ()
+    """The runners-up and rejected candidates, each with its reason."""
+    explanation: tuple[str, ...] = ()
     """Lines that explain the choice to a person."""
 
     def __post_init__(self) -> None:
-        if list(self.mesh) != list(AXES):
-            raise ValueError(f"mesh must have the axes {', '.join(AXES)} in that order, got {list(self.mesh)}")
-        size = self.mesh["dp_replicate"] * self.mesh["dp_shard"] * self.mesh["tp"]
-        if size != self.world_size:
-            raise ValueError(f"mesh {self.mesh} has {size} ranks, world_size is {self.world_size}")
+        if len(self.ranks) != self.mesh.world_size:
+            raise ValueError(f"mesh {self.mesh} has {self.mesh.world_size} ranks, the plan places {len(self.ranks)}")
+        if [r.rank for r in self.ranks] != list(range(len(self.ranks))):
+            raise ValueError("plan ranks must be listed in rank order, 0..world_size-1")
+        if self.execution.mesh != self.mesh or self.execution.strategy != self.strategy:
+            raise ValueError(f"the execution is for {self.execution.strategy} on {self.execution.mesh}, "
+                             f"the plan is {self.strategy} on {self.mesh}")
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return self.mesh["dp_replicate"], self.mesh["dp_shard"], self.mesh["tp"]
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Axis -> the rank sets varying along it (init_device_mesh's numbering)."""
+        return self.mesh.groups()
+
+    @property
+    def node_of_rank(self) -> tuple[str, ...]:
+        return tuple(r.node for r in self.ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": dict(self.model),
-            "strategy": self.strategy,
-            "mesh": dict(self.mesh),
-            "ranks": [dict(r) for r in self.ranks],
-            "groups": {k: [list(g) for g in v] for k, v in self.groups.items()},
-            "memory_per_rank": dict(self.memory_per_rank),
+            "model": self.model.to_dict(),
+            "strategy": str(self.strategy),
+            "mesh": self.mesh.to_dict(),
+            "ranks": [r.to_dict() for r in self.ranks],
+            "groups": self.groups,
+            "memory_per_rank": self.memory_per_rank.to_dict(),
             "fits": self.fits,
             "reason": self.reason,
-            "step_time": dict(self.step_time),
-            "sync": dict(self.sync),
-            "alternatives": [dict(a) for a in self.alternatives],
+            "step_time": self.step_time.to_dict(),
+            "sync": self.sync.to_dict(),
+            "execution": _execution_to_dict(self.execution),
+            "alternatives": [a.to_dict() for a in self.alternatives],
             "micro_batch_size": self.micro_batch_size,
-            "recompute": self.recompute,
+            "recompute": str(self.recompute),
             "world_size": self.world_size,
             "explanation": list(self.explanation),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        mesh = {a: int(d["mesh"][a]) for a in AXES}
         return cls(
-            model=dict(d["model"]),
-            strategy=d["strategy"],
-            mesh=mesh,
-            ranks=[{"rank": int(r["rank"]), "node": str(r["node"]), "gpu": int(r["gpu"])} for r in d["ranks"]],
-            groups={k: [list(map(int, g)) for g in v] for k, v in d["groups"].items()},
-            memory_per_rank={k: int(v) for k, v in d["memory_per_rank"].items()},
+            model=ModelSummary(**d["model"]),
+            strategy=Strategy(d["strategy"]),
+            mesh=Mesh.from_dict(d["mesh"]),
+            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"])) for r in d["ranks"]),
+            memory_per_rank=MemoryBreakdown(**{k: int(v) for k, v in d["memory_per_rank"].items()}),
             fits=bool(d["fits"]),
             reason=d["reason"],
-            step_time={k: float(v) for k, v in d["step_time"].items()},
-            sync=dict(d["sync"]),
-            alternatives=[dict(a) for a in d.get("alternatives", [])],
+            step_time=StepTime(**{k: float(v) for k, v in d["step_time"].items()}),
+            sync=SyncPlan.from_dict(d["sync"]),
+            execution=_execution_from_dict(d["execution"]),
             micro_batch_size=int(d["micro_batch_size"]),
-            recompute=d["recompute"],
-            world_size=int(d["world_size"]),
-            explanation=list(d.get("explanation", [])),
+            recompute=Recompute(d["recompute"]),
+            alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
+            explanation=tuple(d.get("explanation", [])),
         )
 
 
@@ -131,27 +206,14 @@ def _gb(x: float) -> str:
     return f"{x / GB:.2f} GB" if abs(x) >= 0.1 * GB else f"{x / 1e6:.1f} MB"
 
 
-def _mesh_str(mesh: tuple[int, int, int]) -> str:
-    return " x ".join(f"{a}={n}" for a, n in zip(AXES, mesh))
-
-
-def _host_memory_per_slot(slots: int) -> int:
-    """A CPU slot's share of the host's physical memory (what a CPU probe leaves unsaid)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 16 * 2**30
-    return total // max(slots, 1)
-
-
 def job_context(cfg: JobConfig, topology: ClusterTopology) -> JobContext:
     """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
     byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
     and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
-    return _context(cfg, topology, ModelShape.from_config(cfg.model))[0]
+    return _context(cfg, topology, ModelShape.from_config(cfg.model))
 
 
-def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> tuple[JobContext, str]:
+def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobContext:
     if topo.num_devices == 0:
         raise PlanError("the cluster has no devices to plan for (no GPU and no CPU slot)")
     kinds = {d.kind for n in topo.nodes for d in n.devices}
@@ -168,23 +230,18 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> tuple[
             speeds.append(s)
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
     memory = min(s.memory_bytes for s in speeds)
-    if not on_gpu:
-        memory = min(topo.nodes[0].devices[0].memory_bytes or _host_memory_per_slot(topo.nodes[0].num_devices), memory or 1 << 62)
     speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory)
-    # As the runtime resolves it: `auto` is bf16 autocast on GPU and fp32 on CPU; an explicit
-    # bf16/fp16 autocasts on CPU too (byte_layout knows both).
-    precision = cfg.train.precision
-    net_gbps = topo.network.bandwidth_gbps
-    net_lat = topo.network.latency_us
-    if cfg.cluster.inter_node_gbps is not None:
-        net_gbps, net_lat = cfg.cluster.inter_node_gbps, cfg.cluster.inter_node_latency_us
-    ctx = JobContext(
+    c = cfg.cluster
+    net_gbps = topo.network.bandwidth_gbps if c.inter_node_gbps is None else c.inter_node_gbps
+    net_lat = topo.network.latency_us if c.inter_node_latency_us is None else c.inter_node_latency_us
+    device = "gpu" if on_gpu else "cpu"
+    return JobContext(
         shape=shape, params=param_count(shape), global_batch=cfg.train.global_batch_size,
-        layout=byte_layout(precision, "gpu" if on_gpu else "cpu"), speed=speed, on_gpu=on_gpu,
+        layout=byte_layout(cfg.train.precision, device), speed=speed, on_gpu=on_gpu,
         usable_bytes=usable_bytes(memory, on_gpu), net_gbps=net_gbps, net_lat_us=net_lat,
         gpus_per_node=topo.nodes[0].num_devices, powersgd_ratio=powersgd_ratio(shape),
+        precision=cfg.train.precision, max_steps=cfg.train.max_steps,
     )
-    return ctx, precision
 
 
 def _fit_reason(e: Estimate, ctx: JobContext, fits: bool) -> str:
@@ -205,22 +262,20 @@ def _compare(pct: float) -> str:
     return f"faster by {-pct:.1f}%, but the config forced the chosen plan"
 
 
-def _alt_dict(e: Estimate, fits: bool, best: Estimate, ctx: JobContext) -> dict[str, Any]:
+def _alternative(e: Estimate, fits: bool, best: Estimate, ctx: JobContext) -> Alternative:
     c = e.choice
     if fits:
         pct = (e.total_s / best.total_s - 1) * 100 if best.total_s > 0 else 0.0
         reason = _compare(pct)
     else:
         reason = _fit_reason(e, ctx, False)
-    return {
-        "strategy": c.strategy, "mesh": dict(zip(AXES, c.mesh)), "micro_batch_size": c.micro_batch,
-        "recompute": c.recompute, "compression": c.compression, "fits": fits, "reason": reason,
-        "step_time_s": round(e.total_s, 6), "memory_per_rank": e.memory.total,
-    }
+    return Alternative(strategy=c.strategy, mesh=c.mesh, fits=fits, reason=reason, micro_batch_size=c.micro_batch,
+                       recompute=c.recompute, compression=c.compression, step_time_s=round(e.total_s, 6),
+                       memory_per_rank=e.memory.total)
 
 
 def _describe_axis(axis: str, cl: ClusterLayout, ctx: JobContext) -> str:
-    size = cl.mesh[AXES.index(axis)]
+    size = cl.mesh.size(axis)
     inside = cl.per_node[axis]
     ring = cl.rings[axis]
     where = []
@@ -231,7 +286,7 @@ def _describe_axis(axis: str, cl: ClusterLayout, ctx: JobContext) -> str:
     return f"{axis} ({size} ranks per group): " + "; ".join(where)
 
 
-def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, precision: str, topo: ClusterTopology,
+def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: ClusterTopology,
              suggestion: str) -> list[str]:
     e, cl, c = res.best, res.layout, res.best.choice
     m = e.memory
@@ -241,7 +296,7 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, precision: s
         f"per step ({ctx.global_batch} sequences of {ctx.shape.seq} tokens)",
         f"cluster: {len(topo.nodes)} node(s) x {node.num_devices} {ctx.speed.name}"
         + (f", network {ctx.net_gbps:g} GB/s per node, {ctx.net_lat_us:g} us" if len(topo.nodes) > 1 else ""),
-        f"chosen: {c.strategy} on {_mesh_str(c.mesh)}, micro-batch {c.micro_batch}, recompute {c.recompute}, "
+        f"chosen: {c.strategy} on {c.mesh}, micro-batch {c.micro_batch}, recompute {c.recompute}, "
         f"{e.sync.grad_accum_steps} accumulation step(s)"
         + (f" (forced: {', '.join(cons.forced())})" if cons.forced() else ""),
         f"precision: {ctx.layout.name}",
@@ -257,7 +312,7 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, precision: s
     else:
         lines.append("layout: the most talkative axis on the fastest links; "
                      + "; ".join(_describe_axis(a, cl, ctx) for a in ("tp", "dp_shard", "dp_replicate")
-                                 if cl.mesh[AXES.index(a)] > 1))
+                                 if cl.mesh.size(a) > 1))
     lines.append(f"gradient sync: {e.schedule}; bucket {e.sync.bucket_mb:g} MB, compression {e.sync.compression}, "
                  f"overlap {'on' if e.sync.overlap else 'off (gloo shares the CPU cores with compute)'}")
     if res.fits:
@@ -265,11 +320,12 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, precision: s
         why = f"fastest of {len(fitting) + 1} fitting (strategy, mesh) choices, {res.evaluated} candidates estimated"
         if fitting:
             r = fitting[0]
-            why += f"; runner-up {r.choice.strategy} on {_mesh_str(r.choice.mesh)}: " \
+            why += f"; runner-up {r.choice.strategy} on {r.choice.mesh}: " \
                    f"{_compare((r.total_s / e.total_s - 1) * 100)}"
         lines.append(why)
     elif suggestion:
         lines.append(suggestion)
+    lines += [f"runs as: {note}" for note in e.execution.notes]
     return lines
 
 
@@ -278,7 +334,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
     that cannot fit, the forced plan with fits=False and the reason. PlanError only when
     nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides)."""
     shape = ModelShape.from_config(cfg.model)
-    ctx, precision = _context(cfg, topology, shape)
+    ctx = _context(cfg, topology, shape)
     try:
         wirings = Wirings.of(topology)
     except ValueError as e:
@@ -292,34 +348,33 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
         free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), shape.heads)
         if free.best is not None and free.fits:
             c = free.best.choice
-            suggestion = (f"without the forced choices, {c.strategy} on {_mesh_str(c.mesh)} with micro-batch "
+            suggestion = (f"without the forced choices, {c.strategy} on {c.mesh} with micro-batch "
                           f"{c.micro_batch} and recompute {c.recompute} fits ({_gb(free.best.memory.total)} per rank)")
     e, cl = res.best, res.layout
     if res.fits:
         reason = f"fastest plan that fits; {_fit_reason(e, ctx, True)}"
     else:
         reason = _fit_reason(e, ctx, False) + (f"; {suggestion}" if suggestion else "; no plan fits this cluster")
-    alternatives = [_alt_dict(r, r.fits(ctx.usable_bytes), e, ctx) for r in res.runners_up[:MAX_ALTERNATIVES]]
-    alternatives += [{"strategy": r.strategy, "mesh": dict(zip(AXES, r.mesh)), "fits": False, "reason": r.reason,
-                      "step_time_s": None, "memory_per_rank": None} for r in res.rejected[:MAX_ALTERNATIVES]]
-    mesh = e.choice.mesh
+    alternatives = [_alternative(r, r.fits(ctx.usable_bytes), e, ctx) for r in res.runners_up[:MAX_ALTERNATIVES]]
+    alternatives += [Alternative(strategy=r.strategy, mesh=r.mesh, fits=False, reason=r.reason)
+                     for r in res.rejected[:MAX_ALTERNATIVES]]
     return Plan(
-        model={"params": ctx.params, "flops_per_step": model_flops_per_step(shape, ctx.global_batch),
-               "peak_tflops_per_rank": ctx.speed.peak_tflops},
+        model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
+                           peak_tflops_per_rank=ctx.speed.peak_tflops),
         strategy=e.choice.strategy,
-        mesh=dict(zip(AXES, mesh)),
+        mesh=e.choice.mesh,
         ranks=rank_placements(topology, cl),
-        groups=mesh_groups(mesh),
-        memory_per_rank=e.memory.to_dict(),
+        memory_per_rank=e.memory,
         fits=res.fits,
         reason=reason,
-        step_time={"compute_s": e.compute_s, "comm_s": e.comm_s, "exposed_comm_s": e.exposed_comm_s, "total_s": e.total_s},
-        sync=e.sync.to_dict(),
-        alternatives=alternatives,
+        step_time=StepTime(e.compute_s, e.comm_s, e.exposed_comm_s, e.total_s),
+        sync=e.sync,
+        # What runs is resolved once more with the concrete choices the estimate made.
+        execution=execution(ctx, replace(e.choice, algorithm=e.sync.algorithm), bucket_mb=e.sync.bucket_mb),
         micro_batch_size=e.choice.micro_batch,
         recompute=e.choice.recompute,
-        world_size=ctx.gpus_per_node * len(topology.nodes),
-        explanation=_explain(res, ctx, cons, precision, topology, suggestion),
+        alternatives=tuple(alternatives),
+        explanation=tuple(_explain(res, ctx, cons, topology, suggestion)),
     )
 
 

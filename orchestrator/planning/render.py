@@ -6,7 +6,7 @@ import math
 from html import escape
 
 from ..topology.model import ClusterTopology
-from .layout import AXES
+from .mesh import AXES, RankPlacement
 from .plan import Plan
 
 GB = 1e9
@@ -26,7 +26,7 @@ def _bytes(x: float | None) -> str:
 def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
     """The plan as a person reads it: choice, memory, step time, layout, runners-up."""
     out = []
-    mesh = " x ".join(f"{a}={n}" for a, n in plan.mesh.items())
+    mesh = str(plan.mesh)
     status = "fits" if plan.fits else "DOES NOT FIT"
     out.append(f"plan: {plan.strategy} on {mesh} ({plan.world_size} ranks), micro-batch {plan.micro_batch_size}, "
                f"recompute {plan.recompute}: {status}")
@@ -34,16 +34,16 @@ def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
     out.append("")
     out.append("memory per rank")
     for k in ("params", "grads", "optimizer", "activations", "buffers", "total"):
-        out.append(f"  {k:<12}{_bytes(plan.memory_per_rank[k]):>12}")
+        out.append(f"  {k:<12}{_bytes(getattr(plan.memory_per_rank, k)):>12}")
     st = plan.step_time
     out.append("step time")
-    out.append(f"  {'compute':<16}{st['compute_s'] * 1e3:>10.2f} ms")
-    out.append(f"  {'communication':<16}{st['comm_s'] * 1e3:>10.2f} ms")
-    out.append(f"  {'  exposed':<16}{st['exposed_comm_s'] * 1e3:>10.2f} ms")
-    out.append(f"  {'total':<16}{st['total_s'] * 1e3:>10.2f} ms")
+    out.append(f"  {'compute':<16}{st.compute_s * 1e3:>10.2f} ms")
+    out.append(f"  {'communication':<16}{st.comm_s * 1e3:>10.2f} ms")
+    out.append(f"  {'  exposed':<16}{st.exposed_comm_s * 1e3:>10.2f} ms")
+    out.append(f"  {'total':<16}{st.total_s * 1e3:>10.2f} ms")
     s = plan.sync
-    out.append(f"gradient sync: {s['algorithm']}, bucket {s['bucket_mb']:g} MB, compression {s['compression']}, "
-               f"{s['grad_accum_steps']} accumulation step(s), overlap {'on' if s.get('overlap', True) else 'off'}")
+    out.append(f"gradient sync: {s.algorithm}, bucket {s.bucket_mb:g} MB, compression {s.compression}, "
+               f"{s.grad_accum_steps} accumulation step(s), overlap {'on' if s.overlap else 'off'}")
     out.append("")
     out.append("layout (rank -> node:gpu)")
     out.extend(_layout_lines(plan))
@@ -54,20 +54,20 @@ def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
         out.append("")
         out.append("alternatives")
         for a in plan.alternatives:
-            m = "x".join(str(a["mesh"][ax]) for ax in AXES)
-            t = f"{a['step_time_s'] * 1e3:.2f} ms" if a.get("step_time_s") is not None else "-"
-            extra = f" mb={a['micro_batch_size']} rc={a['recompute']}" if "micro_batch_size" in a else ""
-            out.append(f"  {a['strategy']:<6} {m:<14}{extra:<24} {t:>12}  {_bytes(a.get('memory_per_rank')):>10}  {a['reason']}")
+            m = "x".join(str(a.mesh.size(ax)) for ax in AXES)
+            t = f"{a.step_time_s * 1e3:.2f} ms" if a.step_time_s is not None else "-"
+            extra = f" mb={a.micro_batch_size} rc={a.recompute}" if a.micro_batch_size is not None else ""
+            out.append(f"  {a.strategy:<6} {m:<14}{extra:<24} {t:>12}  {_bytes(a.memory_per_rank):>10}  {a.reason}")
     return "\n".join(out)
 
 
 def _layout_lines(plan: Plan) -> list[str]:
     """The TP groups of the first nodes, in rank order; larger clusters repeat the same layout."""
     lines = []
-    by_node: dict[str, list[dict]] = {}
+    by_node: dict[str, list[RankPlacement]] = {}
     for r in plan.ranks:
-        by_node.setdefault(r["node"], []).append(r)
-    tp = plan.mesh["tp"]
+        by_node.setdefault(r.node, []).append(r)
+    tp = plan.mesh.tp
     for i, (node, ranks) in enumerate(by_node.items()):
         if i == _MAX_NODES_DRAWN:
             lines.append(f"  ... {len(by_node) - i} more node(s), laid out the same way")
@@ -75,7 +75,7 @@ def _layout_lines(plan: Plan) -> list[str]:
         cells = []
         for k in range(0, len(ranks), tp):
             grp = ranks[k:k + tp]
-            cell = " ".join(f"r{r['rank']}:{r['gpu']}" for r in grp)
+            cell = " ".join(f"r{r.rank}:{r.gpu}" for r in grp)
             cells.append(f"[{cell}]" if tp > 1 else cell)
         lines.append(f"  {node}: " + " ".join(cells))
     return lines
@@ -87,7 +87,7 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
     axis that has groups (tp, else HSDP's dp_shard; plain data parallelism is one group)."""
     nodes = topology.nodes[:_MAX_NODES_DRAWN]
     m = plan.mesh
-    axis = "tp" if m["tp"] > 1 else "dp_shard" if m["dp_shard"] > 1 and m["dp_replicate"] > 1 else None
+    axis = "tp" if m.tp > 1 else "dp_shard" if m.dp_shard > 1 and m.dp_replicate > 1 else None
     group_of = {r: g for g, ranks in enumerate(plan.groups[axis]) for r in ranks} if axis else {}
     what = f"colour = {axis} group" if axis else "one data-parallel group"
     size, pad = 360, 30
@@ -95,12 +95,9 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
     height = size + 90
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
              f'<text x="{pad}" y="20" font-size="14">{escape(plan.strategy)} on '
-             f'{escape(" x ".join(f"{a}={n}" for a, n in plan.mesh.items()))}; {escape(what)}</text>']
-    rank_of: dict[tuple[str, int], int] = {(r["node"], r["gpu"]): r["rank"] for r in plan.ranks}
-    node_names = []
-    for r in plan.ranks:
-        if r["node"] not in node_names:
-            node_names.append(r["node"])
+             f'{escape(str(plan.mesh))}; {escape(what)}</text>']
+    rank_of: dict[tuple[str, int], int] = {(r.node, r.gpu): r.rank for r in plan.ranks}
+    node_names = list(dict.fromkeys(r.node for r in plan.ranks))
     max_bw = max((l.bandwidth_gbps for n in nodes for l in n.links), default=1.0) or 1.0
     for i, node in enumerate(nodes):
         name = node_names[i] if i < len(node_names) else f"node{i}"

@@ -9,15 +9,18 @@ once per distinct node wiring (`layout.py`), so a thousand-node cluster costs wh
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+from ..choices import Compression, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
 from .cost import Choice, Estimate, JobContext, estimate
 from .layout import ClusterLayout, Wirings, cluster_layout
-from .memory import STRATEGIES
+from .mesh import Mesh
+from .resolve import Unsupported, wrapping_of
 from .sync import COMM_BOUND_FRACTION
 
-RECOMPUTES = ("none", "selective", "full")
+STRATEGIES = Strategy.concrete()
+RECOMPUTES = Recompute.concrete()
 # Plans within this fraction of the fastest are ranked by simplicity instead.
 NEAR_TIE = 0.01
 MAX_ALTERNATIVES = 12
@@ -33,14 +36,14 @@ def divisors(n: int) -> list[int]:
 class Constraints:
     """The job's fixed choices; None leaves a dimension to the search."""
 
-    strategy: str | None = None
+    strategy: Strategy | None = None
     tp: int | None = None
     dp_shard: int | None = None
     micro_batch: int | None = None
-    recompute: str | None = None
-    compression: str | None = None
+    recompute: Recompute | None = None
+    compression: Compression | None = None
     allow_compression: bool = False
-    algorithm: str = "auto"
+    algorithm: SyncAlgorithm = SyncAlgorithm.auto
     bucket_mb: float | None = None
 
     @classmethod
@@ -50,14 +53,9 @@ class Constraints:
         def fixed(v):
             return None if v == "auto" else v
 
-        strategy = fixed(p.strategy)
-        tp = fixed(p.tp)
-        if t.precision == "fp16" and strategy is None:
-            # fp16 needs loss scaling, which the runtime applies to DDP only (see FP16_NOTE).
-            strategy, tp = "ddp", 1 if tp is None else tp
         return cls(
-            strategy="zero3" if strategy == "fsdp" else strategy,
-            tp=tp,
+            strategy=fixed(p.strategy),
+            tp=fixed(p.tp),
             dp_shard=fixed(p.dp_shard),
             micro_batch=fixed(t.micro_batch_size),
             recompute=fixed(p.recompute),
@@ -80,8 +78,8 @@ class Constraints:
 class Rejected:
     """A candidate mesh that could not be evaluated at all, and why."""
 
-    strategy: str
-    mesh: tuple[int, int, int]
+    strategy: Strategy
+    mesh: Mesh
     reason: str
 
 
@@ -105,51 +103,52 @@ _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
 
 def _simplicity(e: Estimate) -> tuple:
     c = e.choice
-    return (_SIMPLICITY[c.strategy], c.mesh[2], RECOMPUTES.index(c.recompute), c.compression != "none", -c.micro_batch)
+    return (_SIMPLICITY[c.strategy], c.mesh.tp, RECOMPUTES.index(c.recompute), c.compression != Compression.none,
+            -c.micro_batch)
 
 
-def _meshes(strategy: str, world: int, g: int, n_head: int, cons: Constraints) -> list[tuple[tuple[int, int, int], str]]:
+def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints) -> list[tuple[Mesh, str]]:
     """(mesh, why it cannot be used or '') for every mesh of a strategy."""
     tps = [cons.tp] if cons.tp else [t for t in divisors(g) if n_head % t == 0]
     out = []
     for tp in tps:
         if world % tp:
-            out.append(((world, 1, tp), f"tp={tp} does not divide the {world} ranks"))
+            out.append((Mesh(world, 1, tp), f"tp={tp} does not divide the {world} ranks"))
             continue
         d = world // tp
-        if strategy == "ddp":
-            mesh = (d, 1, tp)
+        if strategy == Strategy.ddp:
+            mesh = Mesh(d, 1, tp)
             bad = f"strategy ddp does not shard (dp_shard=1), got parallel.dp_shard={cons.dp_shard}" \
                 if cons.dp_shard not in (None, 1) else ""
             out.append((mesh, bad))
-        elif strategy in ("zero1", "zero2", "zero3"):
+        elif strategy in (Strategy.zero1, Strategy.zero2, Strategy.zero3):
             if d == 1 and cons.strategy is None:
                 continue  # one data-parallel rank: the same plan as ddp
-            if strategy == "zero1" and tp > 1 and cons.strategy is None:
-                continue  # the runtime runs it as zero2 (no ZeRO-1 of DTensors): offer zero2 by its name
-            mesh = (1, d, tp)
+            if strategy == Strategy.zero1 and wrapping_of(strategy, tp) != strategy and cons.strategy is None:
+                continue  # it runs as zero2 (see resolve): offer zero2 by its name
+            mesh = Mesh(1, d, tp)
             bad = (f"strategy {strategy} shards over all {d} data-parallel ranks, got parallel.dp_shard={cons.dp_shard}; "
                    f"use parallel.strategy=hsdp to shard over fewer") if cons.dp_shard not in (None, d) else ""
             out.append((mesh, bad))
         else:
             shards = [cons.dp_shard] if cons.dp_shard else [s for s in divisors(d) if 1 < s < d]
-            if not shards and cons.strategy == "hsdp":
-                out.append(((d, 1, tp), f"hsdp needs a shard group between 1 and the {d} data-parallel ranks"))
+            if not shards and cons.strategy == Strategy.hsdp:
+                out.append((Mesh(d, 1, tp), f"hsdp needs a shard group between 1 and the {d} data-parallel ranks"))
             for s in shards:
                 if d % s:
-                    out.append(((d, 1, tp), f"parallel.dp_shard={s} does not divide the {d} data-parallel ranks"))
+                    out.append((Mesh(d, 1, tp), f"parallel.dp_shard={s} does not divide the {d} data-parallel ranks"))
                 else:
-                    out.append(((d // s, s, tp), ""))
+                    out.append((Mesh(d // s, s, tp), ""))
     return out
 
 
-def _compressions(strategy: str, tp: int, ctx: JobContext) -> list[str]:
+def _compressions(strategy: Strategy, tp: int, ctx: JobContext) -> list[Compression]:
     """Lossy gradient compressions worth trying: 16-bit (the autocast dtype, bf16 for fp32 runs)
     only when gradients travel in fp32; PowerSGD is a DDP comm hook, so only where DDP reduces
-    the gradients (ddp and zero1 without tensor parallelism, which the runtime runs as FSDP2)."""
-    out = [ctx.layout.half or "bf16"] if ctx.layout.grads > 2 else []
-    if strategy in ("ddp", "zero1") and tp == 1:
-        out.append("powersgd")
+    the gradients (ddp and zero1 as `resolve` runs them)."""
+    out = [Compression(ctx.layout.half or "bf16")] if ctx.layout.grads > 2 else []
+    if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
+        out.append(Compression.powersgd)
     return out
 
 
@@ -166,14 +165,14 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
     recomputes = [cons.recompute] if cons.recompute else list(RECOMPUTES)
     per_mesh: list[tuple[Estimate, bool, ClusterLayout]] = []
     rejected: list[Rejected] = []
-    layouts: dict[tuple[int, int, int], ClusterLayout] = {}
+    layouts: dict[Mesh, ClusterLayout] = {}
     evaluated = 0
     for strategy in strategies:
         for mesh, bad in _meshes(strategy, world, wirings.devices_per_node, n_head, cons):
             if bad:
                 rejected.append(Rejected(strategy, mesh, bad))
                 continue
-            dp = mesh[0] * mesh[1]
+            dp = mesh.dp
             if ctx.global_batch % dp:
                 rejected.append(Rejected(strategy, mesh, f"train.global_batch_size={ctx.global_batch} is not a multiple "
                                                          f"of the data-parallel size {dp}"))
@@ -194,22 +193,27 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
                 continue
             mbs = [cons.micro_batch] if cons.micro_batch else divisors(per_rank)
             fitting, closest = [], None
-            for rc in recomputes:
-                for mb in mbs:
-                    ch = Choice(strategy, mesh, mb, rc, cons.compression or "none", cons.algorithm, cons.bucket_mb)
-                    e = estimate(ctx, cl, ch)
-                    evaluated += 1
-                    if e.fits(ctx.usable_bytes):
-                        fitting.append(e)
-                    elif closest is None or e.memory.total < closest.memory.total:
-                        closest = e
+            try:
+                for rc in recomputes:
+                    for mb in mbs:
+                        ch = Choice(strategy, mesh, mb, rc, cons.compression or Compression.none, cons.algorithm,
+                                    cons.bucket_mb)
+                        e = estimate(ctx, cl, ch)
+                        evaluated += 1
+                        if e.fits(ctx.usable_bytes):
+                            fitting.append(e)
+                        elif closest is None or e.memory.total < closest.memory.total:
+                            closest = e
+            except Unsupported as e:
+                rejected.append(Rejected(strategy, mesh, str(e)))
+                continue
             if fitting:
                 best = _fastest(fitting)
                 if cons.compression is None and ctx.on_gpu and cons.allow_compression \
                         and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s:
                     tries = [estimate(ctx, cl, Choice(strategy, mesh, best.choice.micro_batch, best.choice.recompute, comp,
                                                       cons.algorithm, cons.bucket_mb))
-                             for comp in _compressions(strategy, mesh[2], ctx)]
+                             for comp in _compressions(strategy, mesh.tp, ctx)]
                     evaluated += len(tries)
                     best = min([best] + [t for t in tries if t.fits(ctx.usable_bytes)], key=lambda e: e.total_s)
                 per_mesh.append((best, True, cl))
@@ -227,10 +231,3 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
     others.sort(key=lambda x: (not x[1], x[0].total_s if x[1] else x[0].memory.total))
     return SearchResult(best=chosen[0], layout=chosen[2], fits=chosen[1],
                         runners_up=[e for e, _, _ in others], rejected=rejected, evaluated=evaluated)
-
-
-def choice_dict(c: Choice) -> dict:
-    """A choice as plain JSON values."""
-    d = asdict(c)
-    d["mesh"] = dict(zip(("dp_replicate", "dp_shard", "tp"), c.mesh))
-    return d

@@ -8,12 +8,12 @@ overlap with backward rather than one big reduction waiting at the end.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from ..choices import Compression, SyncAlgorithm
 from .comm import LAUNCH_S, bus_factor
 from .model_math import ModelShape
 
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # torch's PowerSGD hook: matrix_approximation_rank the runtime passes to PowerSGDState.
 POWERSGD_RANK = 4
 # Latency may be at most this fraction of a bucket's reduction time.
@@ -26,15 +26,15 @@ MB = 2**20
 COMM_BOUND_FRACTION = 0.2
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyncPlan:
     """How gradients are synchronised."""
 
     bucket_mb: float
     """DDP bucket_cap_mb; for the sharded strategies, one block's reduce-scatter in MB."""
-    algorithm: str
+    algorithm: SyncAlgorithm
     """`flat` (one ring or tree through every rank) or `hierarchical` (intra, inter, intra)."""
-    compression: str
+    compression: Compression
     """`none`, `fp16`, `bf16` (DDP comm hook / FSDP reduce_dtype) or `powersgd` (DDP comm hook)."""
     grad_accum_steps: int
     """Micro-steps per optimizer step; gradients are synchronised on the last one only."""
@@ -42,7 +42,14 @@ class SyncPlan:
     """Whether reduction overlaps with backward (off on CPU, where gloo competes with compute)."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"bucket_mb": self.bucket_mb, "algorithm": str(self.algorithm), "compression": str(self.compression),
+                "grad_accum_steps": self.grad_accum_steps, "overlap": self.overlap}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SyncPlan":
+        return cls(bucket_mb=float(d["bucket_mb"]), algorithm=SyncAlgorithm(d["algorithm"]),
+                   compression=Compression(d["compression"]), grad_accum_steps=int(d["grad_accum_steps"]),
+                   overlap=bool(d.get("overlap", True)))
 
 
 def auto_bucket_mb(grad_bytes: float, p: int, bw_gbps: float, lat_us: float) -> float:
@@ -75,12 +82,15 @@ def powersgd_ratio(shape: ModelShape, rank: int = POWERSGD_RANK) -> float:
     return (sent + vectors) / (full + vectors)
 
 
-def wire_bytes_per_grad(compression: str, grad_bytes: int, ratio: float) -> float:
-    """Bytes per gradient element on the wire under a compression."""
-    if compression == "none":
+def wire_bytes_per_grad(compression: Compression | str, grad_bytes: int, ratio: float, warmup: float = 0.0) -> float:
+    """Bytes per gradient element on the wire under a compression, averaged over the run:
+    PowerSGD sends plain gradients for the `warmup` fraction of the steps, then `ratio` of them."""
+    compression = Compression(compression)
+    if compression == Compression.none:
         return float(grad_bytes)
-    if compression in ("fp16", "bf16"):
+    if compression in (Compression.fp16, Compression.bf16):
         return float(min(2, grad_bytes))
-    if compression == "powersgd":
-        return grad_bytes * ratio
-    raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+    if compression == Compression.powersgd:
+        w = min(max(warmup, 0.0), 1.0)
+        return grad_bytes * (w + (1 - w) * ratio)
+    raise ValueError(f"compression must be one of {', '.join(map(str, Compression.concrete()))}, got {compression!r}")

@@ -30,10 +30,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
+from orchestrator.choices import Compression, SyncAlgorithm
+from orchestrator.planning.resolve import POWERSGD_MIN_WARMUP
 from orchestrator.planning.sync import POWERSGD_RANK
 
-COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-SYNC_ALGORITHMS = ("flat", "hierarchical")
+COMPRESSIONS = tuple(str(c) for c in Compression.concrete())
+SYNC_ALGORITHMS = tuple(str(a) for a in SyncAlgorithm.concrete())
 _WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """What FSDP2 may all-gather weights in (its ``param_dtype``), by the name plans use."""
@@ -50,12 +52,13 @@ def _bf16_unsupported(group: dist.ProcessGroup) -> str | None:
 
 
 def register_ddp_compression(
-    ddp: DistributedDataParallel, compression: str, group: dist.ProcessGroup
+    ddp: DistributedDataParallel, compression: str, group: dist.ProcessGroup, warmup_steps: int = POWERSGD_MIN_WARMUP
 ) -> list[str]:
     """Register the DDP comm hook for `compression` on `group`; returns notes on what was skipped.
 
-    PowerSGD uses torch's defaults (rank 1, error feedback, warm start, 1000 plain
-    all-reduce iterations before compressing) because the warm-up is what keeps its
+    PowerSGD runs at the rank the planner priced (POWERSGD_RANK), with torch's error feedback
+    and warm start, after `warmup_steps` plain all-reduce iterations (the plan's
+    `compression_warmup_steps`, which the planner prices too): the warm-up is what keeps its
     early steps equal to uncompressed training.
     """
     if compression not in COMPRESSIONS:
@@ -71,9 +74,8 @@ def register_ddp_compression(
             return [reason]
         ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
         return []
-    # The rank the planner priced the compression at; torch's default warm-up (1,000 uncompressed
-    # iterations, while error feedback settles) is kept.
-    state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK)
+    state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=POWERSGD_RANK,
+                                   start_powerSGD_iter=max(warmup_steps, POWERSGD_MIN_WARMUP))
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     return []
 
@@ -193,6 +195,7 @@ def register_ddp_sync(
     compression: str,
     algorithm: str = "flat",
     node_of_rank: Sequence[str] | None = None,
+    warmup_steps: int = POWERSGD_MIN_WARMUP,
 ) -> tuple[HierarchicalAllReduce | None, list[str]]:
     """Register the DDP comm hook for the plan's `algorithm` and `compression` on `group`.
 
@@ -205,13 +208,13 @@ def register_ddp_sync(
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     if algorithm == "flat":
-        return None, register_ddp_compression(ddp, compression, group)
+        return None, register_ddp_compression(ddp, compression, group, warmup_steps)
     if node_of_rank is None:
         raise ValueError("a hierarchical all-reduce needs node_of_rank, the node of every rank")
     notes: list[str] = []
     if compression == "powersgd":
         notes.append("hierarchical all-reduce ran flat: powersgd compression is its own all-reduce scheme")
-        return None, notes + register_ddp_compression(ddp, compression, group)
+        return None, notes + register_ddp_compression(ddp, compression, group, warmup_steps)
     wire_dtype = _WIRE_DTYPES.get(compression)
     if compression == "bf16":
         reason = _bf16_unsupported(group)

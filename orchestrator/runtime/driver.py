@@ -21,6 +21,7 @@ from rich.table import Table
 
 from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
+from ..planning import Plan, plan_job
 from ..rundir import RunDir
 from .curve import loss_svg
 from .metrics import record_restart
@@ -60,19 +61,12 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir) -> dict[str, Any]:
-    from ..planning import plan_job
-
+def _plan(cfg: JobConfig, topology, run: RunDir) -> Plan:
     plan = plan_job(cfg, topology)
     run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
-    if cfg.train.precision == "fp16" and (plan.strategy != "ddp" or plan.mesh["tp"] > 1):
-        raise PlanError(
-            f"train.precision=fp16 needs loss scaling, which runs with DDP only (tp=1), not {plan.strategy} with "
-            f"tp={plan.mesh['tp']}; use train.precision=bf16, or parallel.strategy=ddp parallel.tp=1"
-        )
-    return plan.to_dict()
+    return plan
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -153,7 +147,7 @@ def run_job(
         summary["resumed_from"] = resume_from
     run.write_json("summary.json", summary)
     train = [(r["step"], r["loss"]) for r in state.rows]
-    run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan['strategy']} on {plan['world_size']} workers",
+    run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan.strategy} on {plan.world_size} workers",
                                         [r["resumed_from_step"] for r in state.restarts]))
     _print_summary(console, summary, run)
     return summary
@@ -170,12 +164,11 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     use_gpu = _use_gpu(topology)
     topology = _elastic(cfg, topology)
     plan = _plan(cfg, topology, run)
-    mesh = " x ".join(f"{k}={v}" for k, v in plan["mesh"].items())
     console.print(
-        f"plan: [bold]{plan['strategy']}[/] on {plan['world_size']} {'GPUs' if use_gpu else 'CPU workers'} "
-        f"({mesh}), micro-batch {plan['micro_batch_size']} x {plan['sync']['grad_accum_steps']} accumulation steps"
+        f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
+        f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
     )
-    with console.status(f"placing {plan['world_size']} workers"):
+    with console.status(f"placing {plan.world_size} workers"):
         placement = place(
             plan, job=cfg.name, use_gpu=use_gpu, cpus_per_worker=cfg.cluster.cpus_per_worker,
             threads_per_worker=max(1, int(cfg.cluster.cpus_per_worker)),
@@ -215,10 +208,10 @@ def _notes(setups: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(n for s in setups for n in s["notes"]))
 
 
-def _cpu_affinity(plan: dict[str, Any], topology) -> list[str | None]:
+def _cpu_affinity(plan: Plan, topology) -> list[str | None]:
     """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
     by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
-    return [by_node.get(r["node"], {}).get(r["gpu"]) for r in plan["ranks"]]
+    return [by_node.get(r.node, {}).get(r.gpu) for r in plan.ranks]
 
 
 def _elastic(cfg: JobConfig, topology):
@@ -301,25 +294,25 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
     run.append_jsonl("metrics.jsonl", rows)
 
 
-def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -> dict[str, Any]:
+def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, reports) -> dict[str, Any]:
     first_val = state.val[0][1] if state.val else None
     final_val = state.val[-1][1] if state.val else None
     measured_step = _steady_mean([r["step_s"] for r in state.rows])
-    predicted = plan.get("step_time", {}).get("total_s")
-    predicted_mem = plan.get("memory_per_rank", {})
+    predicted = plan.step_time.total_s
     measured_mem = [f["state_bytes"] for f in finals]
     warnings = []
     if predicted and math.isfinite(measured_step) and not (0.5 <= measured_step / predicted <= 2.0):
         warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s by more than 2x")
-    model_state_pred = sum(predicted_mem.get(k, 0) for k in ("params", "grads", "optimizer"))
+    m = plan.memory_per_rank
+    model_state_pred = m.params + m.grads + m.optimizer
     model_state_meas = max((sum(m.values()) for m in measured_mem), default=0)
     if model_state_pred and model_state_meas and not (0.5 <= model_state_meas / model_state_pred <= 2.0):
         warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's {model_state_pred:,} by more than 2x")
     return {
         "job": cfg.name,
-        "strategy": plan["strategy"],
-        "world_size": plan["world_size"],
-        "mesh": plan["mesh"],
+        "strategy": str(plan.strategy),
+        "world_size": plan.world_size,
+        "mesh": plan.mesh.to_dict(),
         "num_params": setups[0]["num_params"],
         "backend": setups[0]["backend"],
         "steps": state.last_step,
@@ -331,7 +324,7 @@ def _summary(cfg, plan, state: RunState, setups, finals, wall: float, reports) -
         "step_s": measured_step,
         "wall_s": wall,
         "checkpoints": state.checkpoints,
-        "predicted": {"step_s": predicted, "exposed_comm_s": plan.get("step_time", {}).get("exposed_comm_s"),
+        "predicted": {"step_s": predicted, "exposed_comm_s": plan.step_time.exposed_comm_s,
                       "model_state_bytes_per_rank": model_state_pred},
         "measured": {"step_s": measured_step, "exposed_comm_s": _steady_mean(
                          [r["exposed_comm_s"] for r in state.rows if r.get("exposed_comm_s") is not None]),

@@ -1,7 +1,8 @@
 """Apply a planned sharding strategy to a model with torch's own parallelism.
 
-The plan arrives as a :class:`ParallelSpec`; :func:`build_mesh` turns its mesh into a
-3-D ``DeviceMesh`` (dp_replicate, dp_shard, tp) and :func:`parallelize` wraps the model:
+What runs arrives as the plan's :class:`~orchestrator.planning.resolve.Execution` (the one
+statement of it the planner priced); :func:`build_mesh` turns its mesh into a ``DeviceMesh``
+with the named axes (dp_replicate, dp_shard, tp) and :func:`parallelize` wraps the model:
 
 ========  ==========================================================================
 ddp       ``DistributedDataParallel`` over all data-parallel ranks (buckets, comm hooks)
@@ -46,117 +47,17 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.errors import PlanError
-from orchestrator.runtime.comm_hooks import (
-    COMPRESSIONS,
-    PARAM_DTYPES,
-    SYNC_ALGORITHMS,
-    HierarchicalAllReduce,
-    fsdp_policy,
-    register_ddp_sync,
-)
+from orchestrator.choices import Recompute
+from orchestrator.planning.mesh import AXES, Mesh
+from orchestrator.planning.resolve import Execution
+from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
-RECOMPUTES = ("none", "selective", "full")
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-@dataclass
-class ParallelSpec:
-    """The part of a plan that decides how the model is wrapped on every rank."""
-
-    strategy: str
-    """One of ddp | zero1 | zero2 | zero3 | hsdp."""
-    mesh: dict[str, int]
-    """Axis sizes {"dp_replicate": R, "dp_shard": S, "tp": T}; R*S*T is the world size."""
-    bucket_mb: float = 25.0
-    """DDP gradient bucket size in MB (ddp, zero1). FSDP2 communicates per fully_shard unit instead."""
-    compression: str = "none"
-    """Gradient compression: none | fp16 | bf16 | powersgd."""
-    recompute: str = "none"
-    """Activation recomputation: none | selective (attention only) | full (whole block)."""
-    static_graph: bool = False
-    """DDP static_graph: the set of used parameters is the same every step (ddp, zero1)."""
-    param_dtype: str = "fp32"
-    """fp32 | bf16 | fp16: the dtype FSDP2 all-gathers weights in and computes gradients in,
-    the run's autocast dtype (FSDP2 strategies only; DDP and ZeRO-1 keep fp32 weights)."""
-    sync_algorithm: str = "flat"
-    """flat | hierarchical: DDP's gradient all-reduce as one ring, or reduce-scatter inside each
-    node, all-reduce between nodes, all-gather inside each node (ddp and zero1 with tp=1;
-    FSDP2's mesh already is the hierarchy)."""
-    node_of_rank: tuple[str, ...] | None = None
-    """The node id of every global rank (index = rank), as the plan placed them; the
-    hierarchical all-reduce groups ranks by it."""
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"parallel strategy must be one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
-        if set(self.mesh) != set(MESH_DIMS):
-            raise PlanError(f"parallel mesh must have exactly the axes {', '.join(MESH_DIMS)}; got {sorted(self.mesh)}")
-        for name in MESH_DIMS:
-            size = self.mesh[name]
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise PlanError(f"parallel mesh axis {name} must be a positive integer; got {size!r}")
-        if not self.bucket_mb > 0:
-            raise PlanError(f"parallel bucket_mb must be positive; got {self.bucket_mb!r}")
-        if self.compression not in COMPRESSIONS:
-            raise PlanError(f"parallel compression must be one of {', '.join(COMPRESSIONS)}; got {self.compression!r}")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise PlanError(
-                f"parallel param_dtype must be one of {', '.join(PARAM_DTYPES)}; got {self.param_dtype!r}"
-            )
-        if self.recompute not in RECOMPUTES:
-            raise PlanError(f"parallel recompute must be one of {', '.join(RECOMPUTES)}; got {self.recompute!r}")
-        if self.sync_algorithm not in SYNC_ALGORITHMS:
-            raise PlanError(
-                f"parallel sync_algorithm must be one of {', '.join(SYNC_ALGORITHMS)}; got {self.sync_algorithm!r}"
-            )
-        if self.node_of_rank is not None:
-            self.node_of_rank = tuple(self.node_of_rank)
-            if len(self.node_of_rank) != self.world_size:
-                raise PlanError(
-                    f"parallel node_of_rank names {len(self.node_of_rank)} ranks but the mesh {self.mesh} "
-                    f"has {self.world_size}; it needs one node id per rank"
-                )
-            blank = [r for r, node in enumerate(self.node_of_rank) if not isinstance(node, str) or not node]
-            if blank:
-                raise PlanError(
-                    f"parallel node_of_rank must give every rank a non-empty node id; ranks {blank} have none"
-                )
-        if self.sync_algorithm == "hierarchical" and self.node_of_rank is None:
-            raise PlanError(
-                "parallel sync_algorithm hierarchical needs node_of_rank (the node of every rank) to group by node"
-            )
-        if self.strategy == "ddp" and self.mesh["tp"] > 1 and self.mesh["dp_shard"] > 1:
-            raise PlanError(
-                f"ddp with tp={self.mesh['tp']} replicates over dp_replicate only; "
-                f"dp_shard must be 1, got {self.mesh['dp_shard']} (use hsdp to shard)"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.mesh["dp_replicate"] * self.mesh["dp_shard"] * self.mesh["tp"]
-
-
-def param_dtype_for(autocast: torch.dtype | None) -> str:
-    """The ``ParallelSpec.param_dtype`` of a run whose forward autocasts to `autocast` (None: fp32).
-
-    FSDP2 then gathers weights in the dtype autocast would cast them to anyway: the linear
-    layers multiply the same 16-bit weights and the all-gather moves half the bytes.
-    """
-    if autocast is None:
-        return "fp32"
-    for name, dtype in PARAM_DTYPES.items():
-        if autocast == dtype:
-            return name
-    allowed = ", ".join(map(str, PARAM_DTYPES.values()))
-    raise ValueError(f"autocast dtype must be one of {allowed} or None; got {autocast}")
-
-
-def build_mesh(spec: ParallelSpec, device_type: str) -> DeviceMesh:
-    """The job's 3-D mesh (dp_replicate, dp_shard, tp); tp is innermost so a TP group is adjacent ranks.
+def build_mesh(mesh: Mesh, device_type: str) -> DeviceMesh:
+    """The job's mesh with its named axes; tp is innermost so a TP group is adjacent ranks.
 
     Adjacent ranks are what placement puts on one NVLink domain, so the innermost axis
     carries the most frequent collective.
@@ -164,13 +65,9 @@ def build_mesh(spec: ParallelSpec, device_type: str) -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs torch.distributed initialised (init_process_group) first")
     world = dist.get_world_size()
-    if spec.world_size != world:
-        raise PlanError(
-            f"parallel mesh {spec.mesh} covers {spec.world_size} ranks but the job has {world}; "
-            f"dp_replicate*dp_shard*tp must equal the number of workers"
-        )
-    shape = tuple(spec.mesh[name] for name in MESH_DIMS)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    if mesh.world_size != world:
+        raise RuntimeError(f"the mesh {mesh} covers {mesh.world_size} ranks but the process group has {world}")
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES)
 
 
 def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
@@ -357,15 +254,15 @@ class Parallelized:
             )
 
 
-def _apply_recompute(model: nn.Module, recompute: str) -> None:
+def _apply_recompute(model: nn.Module, recompute: Recompute) -> None:
     """Wrap blocks (full) or their attention (selective) in non-reentrant activation checkpointing."""
-    if recompute == "none":
+    if recompute == Recompute.none:
         return
     blocks = getattr(model, "h", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise PlanError(f"recompute={recompute} needs a model with transformer blocks in .h; got {type(model).__name__}")
+        raise TypeError(f"recompute={recompute} needs a model with transformer blocks in .h; got {type(model).__name__}")
     for i, block in enumerate(blocks):
-        if recompute == "full":
+        if recompute == Recompute.full:
             blocks[i] = checkpoint_wrapper(block)
         else:
             block.attn = checkpoint_wrapper(block.attn)
@@ -384,71 +281,55 @@ def _zero_optimizer(
 
 def parallelize(
     model: nn.Module,
-    spec: ParallelSpec,
+    ex: Execution,
     mesh: DeviceMesh,
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
     device: torch.device,
+    node_of_rank: tuple[str, ...] | None = None,
+    static_graph: bool = False,
 ) -> Parallelized:
-    """Wrap `model` (already initialised identically on every rank) for `spec` on `mesh`.
+    """Wrap `model` (already initialised identically on every rank) as `ex` says on `mesh`.
 
     Order follows torchtitan: tensor parallelism, then activation checkpointing, then data
     parallelism, then the optimizer over the resulting (possibly sharded) parameters.
+    `node_of_rank` (the node of every global rank) groups a hierarchical all-reduce;
+    `static_graph` is DDP's (the set of used parameters is the same every step).
     """
-    if mesh.mesh_dim_names != MESH_DIMS:
-        raise ValueError(f"mesh must come from build_mesh with axes {MESH_DIMS}; got {mesh.mesh_dim_names}")
-    notes: list[str] = []
-    tp = mesh["tp"].size()
+    if mesh.mesh_dim_names != AXES:
+        raise ValueError(f"mesh must come from build_mesh with axes {AXES}; got {mesh.mesh_dim_names}")
+    if tuple(mesh.mesh.shape) != ex.mesh.shape:
+        raise ValueError(f"the device mesh has shape {tuple(mesh.mesh.shape)}, the execution is for {ex.mesh}")
+    notes: list[str] = list(ex.notes)
     model.to(device)
-    if tp > 1:
+    if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    _apply_recompute(model, spec.recompute)
+    _apply_recompute(model, ex.recompute)
 
-    strategy = spec.strategy
-    if tp > 1 and strategy == "zero1":
-        # ZeroRedundancyOptimizer partitions whole tensors and cannot hold DTensor shards.
-        notes.append("zero1 with tp>1 ran as zero2 (FSDP2): ZeroRedundancyOptimizer cannot shard DTensor parameters")
-        strategy = "zero2"
-
-    if strategy in ("ddp", "zero1") and tp == 1:
+    if ex.ddp_reduces:
         group = _dp_mesh(mesh).get_group()
         ddp = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
             process_group=group,
-            bucket_cap_mb=spec.bucket_mb,
+            bucket_cap_mb=ex.bucket_mb,
             gradient_as_bucket_view=True,
-            static_graph=spec.static_graph,
+            static_graph=static_graph,
         )
         hierarchy, sync_notes = register_ddp_sync(
-            ddp, group, spec.compression, spec.sync_algorithm, spec.node_of_rank
+            ddp, group, str(ex.compression), str(ex.sync_algorithm), node_of_rank, ex.compression_warmup_steps
         )
         notes += sync_notes
-        if strategy == "zero1":
-            optimizer = _zero_optimizer(ddp, make_optimizer, group)
-        else:
-            optimizer = make_optimizer(ddp)
+        optimizer = _zero_optimizer(ddp, make_optimizer, group) if ex.zero_optimizer else make_optimizer(ddp)
         return Parallelized(ddp, optimizer, notes, hierarchy)
 
-    if spec.sync_algorithm == "hierarchical" and strategy in ("ddp", "zero2", "zero3"):
-        # hsdp's replicate-across / shard-inside mesh is the hierarchy; these are one flat group.
-        notes.append(
-            f"hierarchical all-reduce ran flat: {spec.strategy} with tp={tp} reduces gradients through FSDP2, "
-            f"which has no comm hook (hsdp is the hierarchical FSDP2 layout)"
-        )
-    if strategy == "ddp":
-        # DDP cannot reduce DTensor gradients; FSDP2 with a shard axis of size 1 is plain replication.
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
-        reshard: bool = False
-    elif strategy == "hsdp":
-        dp_mesh = mesh["dp_replicate", "dp_shard"]
-        reshard = True
-    else:
-        dp_mesh = _dp_mesh(mesh)
-        reshard = strategy == "zero3"
-    policy, policy_notes = fsdp_policy(spec.param_dtype, spec.compression, _dp_mesh(mesh).get_group())
+    # FSDP2 over the 2-D (dp_replicate, dp_shard) mesh replicates across the first axis (hsdp,
+    # and ddp with tensor parallelism, whose shard axis has size one); else it shards over all
+    # data-parallel ranks as one flat group.
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if ex.fsdp_replicates else _dp_mesh(mesh)
+    policy, policy_notes = fsdp_policy(str(ex.param_dtype), str(ex.compression), _dp_mesh(mesh).get_group())
     notes += policy_notes
     for block in getattr(model, "h", ()):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     # The root holds the embeddings and the tied lm_head, so the shared weight has one owner.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     return Parallelized(model, make_optimizer(model), notes)

@@ -60,6 +60,3 @@ class ProgressView:
                 f"{row['tokens_per_s']:,.0f} tok/s  {row['step_s'] * 1000:.0f} ms/step",
                 file=sys.stdout, flush=True,
             )
-
-    def note(self, text: str) -> None:
-        self.console.print(text)

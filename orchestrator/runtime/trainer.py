@@ -12,16 +12,20 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..choices import Precision
 from ..config import JobConfig
+from ..planning import Plan
+from ..planning.resolve import on_device
 from ..workloads.data import TextData, load_tokens
 from ..workloads.gpt import GPT, GPTConfig, param_groups
-from .parallelize import Parallelized, ParallelSpec, build_mesh, data_parallel_rank, parallelize, param_dtype_for
+from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .schedule import lr_at
+
+_DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
 
 @dataclass
@@ -37,40 +41,23 @@ class StepResult:
     val_loss: float | None = None
 
 
-def resolve_precision(precision: str, device_type: str) -> torch.dtype | None:
-    """The autocast dtype: bf16 on GPU for `auto`, none (fp32) on CPU, as the config says."""
-    if precision == "fp32" or (precision == "auto" and device_type != "cuda"):
-        return None
-    if precision == "fp16":
-        return torch.float16
-    return torch.bfloat16
-
-
 class Trainer:
     """Model, data, optimizer and loop of one rank under a plan."""
 
-    def __init__(self, cfg: JobConfig, plan: dict[str, Any], device: torch.device) -> None:
+    def __init__(self, cfg: JobConfig, plan: Plan, device: torch.device) -> None:
         self.cfg = cfg
         self.plan = plan
         self.device = device
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        if plan["world_size"] != self.world:
-            raise RuntimeError(f"plan is for {plan['world_size']} ranks but the process group has {self.world}")
-        sync = plan["sync"]
-        self.accum = int(sync["grad_accum_steps"])
-        self.micro = int(plan["micro_batch_size"])
-        self.spec = ParallelSpec(
-            strategy=plan["strategy"],
-            mesh=dict(plan["mesh"]),
-            bucket_mb=float(sync["bucket_mb"]),
-            compression=sync["compression"],
-            recompute=plan.get("recompute", "none"),
-            param_dtype=param_dtype_for(resolve_precision(cfg.train.precision, device.type)),
-            sync_algorithm=sync["algorithm"],
-            node_of_rank=tuple(str(r["node"]) for r in sorted(plan["ranks"], key=lambda r: int(r["rank"]))),
-        )
-        self.mesh = build_mesh(self.spec, device.type)
+        if plan.world_size != self.world:
+            raise RuntimeError(f"plan is for {plan.world_size} ranks but the process group has {self.world}")
+        # What runs is the plan's own statement, unless this rank got another kind of device.
+        self.execution = on_device(plan.execution, "gpu" if device.type == "cuda" else "cpu", cfg.train.precision,
+                                   plan.sync.compression, cfg.train.max_steps)
+        self.accum = plan.sync.grad_accum_steps
+        self.micro = plan.micro_batch_size
+        self.mesh = build_mesh(plan.mesh, device.type)
         self.dp_rank, self.dp_world = data_parallel_rank(self.mesh)
         gb = cfg.train.global_batch_size
         if self.micro * self.accum * self.dp_world != gb:
@@ -78,7 +65,8 @@ class Trainer:
                 f"plan does not cover the global batch: micro {self.micro} x accum {self.accum} x "
                 f"data-parallel {self.dp_world} != train.global_batch_size {gb}"
             )
-        self.autocast_dtype = resolve_precision(cfg.train.precision, device.type)
+        ex = self.execution
+        self.autocast_dtype = _DTYPES.get(ex.autocast) if ex.autocast else None
 
         torch.manual_seed(cfg.train.seed)  # same init on every rank, before any sharding
         m = cfg.model
@@ -89,17 +77,18 @@ class Trainer:
         t = cfg.train
         self.par: Parallelized = parallelize(
             model,
-            self.spec,
+            ex,
             self.mesh,
             lambda mod: torch.optim.AdamW(
                 param_groups(mod, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2)
             ),
             device,
+            node_of_rank=plan.node_of_rank,
         )
         self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
-        # fp16's narrow range needs loss scaling (bf16 does not); the driver admits fp16 with
-        # DDP only, where every rank holds whole gradients and the scaler's inf check agrees.
-        self.scaler = torch.amp.GradScaler(device.type) if self.autocast_dtype == torch.float16 else None
+        # fp16's narrow range needs loss scaling (bf16 does not); resolve admits fp16 with DDP
+        # only, where every rank holds whole gradients and the scaler's inf check agrees.
+        self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
         self.tokens_per_step = gb * m.block_size
         self.compute_micro_s: float | None = None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from ..planning import Plan
 from .metrics import TrainMetrics
 
 
@@ -105,7 +106,7 @@ class Worker:
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, cfg, plan: dict[str, Any], master: tuple[str, int], resume_from: str | None = None,
+    def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
               cpu_affinity: str | None = None) -> dict[str, Any]:
         """Join the process group, build the model under the plan, and load `resume_from` if given.
         `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology."""
@@ -122,7 +123,7 @@ class Worker:
             # its peers visible for P2P and NVLink, other jobs' GPUs stay out of reach. Set
             # before CUDA initialises in this process (placement verified our GPU is planned).
             node = ray.get_runtime_context().get_node_id()
-            job_gpus = sorted({int(r["gpu"]) for r in plan["ranks"] if r["node"] == node} | {gpus[0]})
+            job_gpus = sorted({r.gpu for r in plan.ranks if r.node == node} | {gpus[0]})
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job_gpus))
         if gpus and torch.cuda.is_available():
             device = torch.device("cuda", job_gpus.index(gpus[0]))
@@ -136,10 +137,9 @@ class Worker:
         init_process_group(self.rank, self.world, master[0], master[1], backend)
         self.trainer = Trainer(cfg, plan, device)
         self.metrics = TrainMetrics(cfg.name, self.rank)
-        model = plan.get("model", {})
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
-        self.flops_per_rank_step = model.get("flops_per_step", 0) / self.world
-        self.peak_flops = model.get("peak_tflops_per_rank", 0) * 1e12
+        self.flops_per_rank_step = plan.model.flops_per_step / self.world
+        self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
         self.trainer.calibrate_compute()
         start = 0
         if resume_from:
@@ -176,7 +176,7 @@ class Worker:
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
                 path = checkpoint.save(
                     checkpoint_dir, done, tr.par.state_dict(),
-                    {"world_size": self.world, "strategy": tr.spec.strategy, "mesh": tr.spec.mesh},
+                    {"world_size": self.world, "strategy": str(tr.plan.strategy), "mesh": tr.plan.mesh.to_dict()},
                     cfg.checkpoint.keep_last,
                 )
                 if self.rank == 0:

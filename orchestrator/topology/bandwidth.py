@@ -8,6 +8,8 @@ what NCCL's own topology search assumes too (its PHB/SYS figures are lower than 
 
 from __future__ import annotations
 
+NO_MODEL_WARNING = "the capture does not name the GPU model; NVLink bandwidth assumes 25 GB/s per lane"
+"""What a parser says when a capture leaves the GPU model, and so the NVLink lane rate, unsaid."""
 # Per-lane NVLink bandwidth by generation, GB/s per direction.
 NVLINK_LANE_GBPS = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
 # PCIe x16 bandwidth by generation, GB/s per direction (after encoding overhead).
@@ -26,7 +28,8 @@ _NVLINK_LATENCY_US = 1.0
 # gloo between processes of one host goes through TCP loopback, not shared memory: a few GB/s
 # and tens of microseconds (2.8 GB/s, 60 us measured on a 2-core VM by `probe --measure`).
 _SHM = (3.0, 50.0)
-_NET = (12.5, 10.0)  # 100 Gbit Ethernet-class default between nodes
+NETWORK_DEFAULT = (12.5, 10.0)
+"""(GB/s, us) out of a node when nothing says otherwise: 100 Gbit Ethernet-class."""
 
 # NVLink generation by GPU product name (a substring test, most specific first).
 _NVLINK_GEN_BY_NAME = (
@@ -80,5 +83,5 @@ def estimate(
     if kind == "shm":
         return _SHM
     if kind == "net":
-        return _NET
+        return NETWORK_DEFAULT
     raise ValueError(f"unknown link kind {kind!r}")

@@ -12,52 +12,18 @@ import logging
 from typing import Any
 
 from ..errors import TopologyError, UserError
-from .model import ClusterTopology, Network, Nic, NodeTopology
+from .local import probe_local
+from .measure import measure_cluster
+from .model import ClusterTopology, NodeTopology
+from .network import network_from_nodes
 
 PROBE_TIMEOUT_S = 120.0
-# NIC-to-GPU paths that put a NIC on the GPU's side of the host (GPUDirect RDMA distance).
-_CLOSE_PATHS = ("pix", "pxb", "phb")
-_RDMA_KINDS = ("infiniband", "roce", "efa")
 
 log = logging.getLogger(__name__)
 
 
 def _probe_on_node(num_cpu_slots: int) -> dict[str, Any]:
-    from .local import probe_local
-
     return probe_local(num_cpu_slots).to_dict()
-
-
-def scale_out_nics(node: NodeTopology) -> list[Nic]:
-    """The NICs that carry a node's traffic to other nodes.
-
-    On a GPU node those near a GPU (NCCL picks the NIC closest to each GPU and leaves the
-    storage or management ports alone); without path information the RDMA NICs; failing
-    that every NIC.
-    """
-    close = [n for n in node.nics if any(p in _CLOSE_PATHS for p in n.gpu_paths.values())]
-    if close:
-        return close
-    rdma = [n for n in node.nics if n.kind in _RDMA_KINDS]
-    return rdma or list(node.nics)
-
-
-def network_from_nodes(nodes: list[NodeTopology]) -> Network:
-    """Per-node scale-out bandwidth: the slowest node's summed NIC line rate, in GB/s.
-
-    The Network default stands when any node's NIC speeds are unknown: one unknown node could
-    be the slowest, and a figure that overstates the network misleads the planner more than
-    the conservative default.
-    """
-    totals = []
-    for node in nodes:
-        speeds = [n.speed_gbps for n in scale_out_nics(node)]
-        if not speeds or any(s is None for s in speeds):
-            return Network()
-        totals.append(sum(s for s in speeds if s is not None) / 8)  # Gbit/s -> GB/s
-    if not totals:
-        return Network()
-    return Network(bandwidth_gbps=round(min(totals), 3), latency_us=Network().latency_us, source="nics")
 
 
 def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopology:
@@ -114,7 +80,5 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopol
         raise TopologyError("every node of the Ray cluster died during the topology probe")
     cluster = ClusterTopology(nodes=nodes, network=network_from_nodes(nodes))
     if measure:
-        from .measure import measure_cluster
-
         cluster = measure_cluster(cluster)
     return cluster

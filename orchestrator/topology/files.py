@@ -13,9 +13,9 @@ import os
 from typing import Any
 
 from ..errors import TopologyError
-from .cluster_probe import network_from_nodes
 from .model import ClusterTopology, Network, NodeTopology
 from .nccl_xml import parse_nccl_xml
+from .network import network_from_nodes
 from .smi import parse_topo_matrix
 
 FORMATS = "this project's topology JSON, NCCL topology XML or `nvidia-smi topo -m` text"

@@ -53,10 +53,12 @@ def probe_local(
     slots = num_cpu_slots or os.cpu_count() or 1
     node = cpu_node(slots, hostname=socket.gethostname())
     node.numa_nodes = numa_nodes(sysfs_root)
+    share = host_memory_bytes() // slots
     # CPUs differ by 10x in what one core multiplies; no table knows this one, so measure it.
     tflops = cpu_slot_tflops()
     for d in node.devices:
         d.measured_tflops = tflops
+        d.memory_bytes = d.memory_bytes or share
     return node
 
 
@@ -138,3 +140,11 @@ def add_sysfs(node: NodeTopology, root: str | Path = "/") -> None:
                     if kind is not None:
                         nic.gpu_paths[dev.index] = kind
         node.nics.append(nic)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (what its CPU slots share); 0 when the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import PlacementError
+from ..errors import TopologyError
 from .model import ClusterTopology, Link, Network, NodeTopology
 
 DEGRADED_FRACTION = 0.5
@@ -336,7 +336,7 @@ def _start(ranks: list[_Rank], use_gpu: bool) -> None:
         infos = ray.get([r.actor.info.remote() for r in ranks], timeout=_READY_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         what = "one GPU each" if use_gpu else "one CPU each"
-        raise PlacementError(
+        raise TopologyError(
             f"the measured probe needs {len(ranks)} actors ({what}) and the cluster could not place them within "
             f"{_READY_TIMEOUT_S:.0f} s; free the devices or run `probe` without --measure"
         ) from None

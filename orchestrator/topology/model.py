@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
+from .bandwidth import NETWORK_DEFAULT, estimate
+
 # Link kinds, fastest first. The PCIe kinds are the path names of `nvidia-smi topo -m`:
 #   pix  - at most one PCIe bridge between the two ends
 #   pxb  - several PCIe bridges, no host bridge
@@ -20,7 +22,6 @@ from typing import Any, Iterable
 #   sys  - across the inter-socket link (QPI/UPI/xGMI)
 # `shm` joins two CPU slots of one host (gloo over shared memory); `net` is between nodes.
 LINK_KINDS = ("nvlink", "pix", "pxb", "phb", "node", "sys", "shm", "net")
-PCIE_KINDS = ("pix", "pxb", "phb", "node", "sys")
 DEVICE_KINDS = ("gpu", "cpu")
 
 
@@ -205,9 +206,9 @@ class NodeTopology:
 class Network:
     """The network between nodes, as one figure per node (the planner's view of scale-out)."""
 
-    bandwidth_gbps: float = 12.5
+    bandwidth_gbps: float = NETWORK_DEFAULT[0]
     """Bandwidth out of one node in GB/s per direction (bytes; 4x100 Gbit EFA is 50)."""
-    latency_us: float = 10.0
+    latency_us: float = NETWORK_DEFAULT[1]
     """One-way latency between two nodes in microseconds."""
     source: str = "default"
     """`default`, `config`, `nics` (summed from the NICs' line rates) or `measured`."""
@@ -293,11 +294,55 @@ def all_pairs(indices: Iterable[int]) -> list[tuple[int, int]]:
 
 def cpu_node(num_slots: int, hostname: str = "", node_id: str | None = None) -> NodeTopology:
     """A node of plain CPU slots (no GPU): every pair talks through shared memory."""
-    from .bandwidth import estimate  # local import: bandwidth tables depend on this module
-
     devices = [Device(index=i, kind="cpu", name="cpu") for i in range(num_slots)]
     links = []
     for a, b in all_pairs(range(num_slots)):
         bw, lat = estimate("shm")
         links.append(Link(a=a, b=b, kind="shm", bandwidth_gbps=bw, latency_us=lat))
     return NodeTopology(hostname=hostname, node_id=node_id, source="cpu", devices=devices, links=links)
+
+
+def nvlink_domains(indices: list[int], links: list[Link]) -> list[list[int]]:
+    """Disjoint groups of devices in which every pair is joined by NVLink, largest first.
+
+    Each connected NVLink component that is a clique is one domain (an NVSwitch island, a
+    bridged pair, a fully connected quad). A component that is not a clique (the DGX-1 hybrid
+    cube mesh) is split into its largest cliques, because collectives confined to a domain
+    assume every member reaches every other over NVLink.
+    """
+    adj: dict[int, set[int]] = {i: set() for i in indices}
+    for l in links:
+        if l.kind == "nvlink" and l.a in adj and l.b in adj:
+            adj[l.a].add(l.b)
+            adj[l.b].add(l.a)
+    remaining = {i for i in indices if adj[i]}
+    domains: list[list[int]] = []
+    while remaining:
+        best = _max_clique(remaining, adj)
+        if len(best) < 2:
+            break
+        domains.append(sorted(best))
+        remaining -= best
+    return sorted(domains, key=lambda d: (-len(d), d[0]))
+
+
+def _max_clique(nodes: set[int], adj: dict[int, set[int]]) -> set[int]:
+    """Largest clique of the subgraph on `nodes` (Bron-Kerbosch with pivoting)."""
+    best: set[int] = set()
+
+    def expand(r: set[int], p: set[int], x: set[int]) -> None:
+        nonlocal best
+        if not p and not x:
+            if len(r) > len(best) or (len(r) == len(best) and min(r) < min(best)):
+                best = r
+            return
+        if len(r) + len(p) <= len(best):
+            return
+        pivot = max(p | x, key=lambda v: len(adj[v] & p))
+        for v in sorted(p - adj[pivot]):
+            expand(r | {v}, p & adj[v], x & adj[v])
+            p = p - {v}
+            x = x | {v}
+
+    expand(set(), set(nodes), set())
+    return best

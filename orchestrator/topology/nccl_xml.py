@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from ..errors import TopologyError
 from .bandwidth import estimate, pcie_gbps
-from .model import Device, Link, Nic, NodeTopology, all_pairs
-from .smi import nvlink_domains
+from .model import Device, Link, Nic, NodeTopology, all_pairs, nvlink_domains
 
 _GT_PER_S_TO_GEN = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
 # Compute capability major -> NVLink generation (6.0 P100 ... 10.0 B200).

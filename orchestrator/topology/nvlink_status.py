@@ -12,9 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import TopologyError
-from .bandwidth import nvlink_gen_for
+from .bandwidth import NO_MODEL_WARNING, nvlink_gen_for
 from .model import NodeTopology
-from .smi import NO_MODEL_WARNING
 
 _GPU = re.compile(r"^\s*GPU\s+(\d+)\s*:\s*(.*?)\s*(?:\(UUID:\s*([^)]*)\))?\s*$")
 _LINK = re.compile(r"^\s*Link\s+(\d+)\s*:\s*(.*?)\s*$")

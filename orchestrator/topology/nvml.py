@@ -25,8 +25,7 @@ from collections import defaultdict
 from typing import Any
 
 from .bandwidth import estimate, nvlink_gen_for
-from .model import Device, Link, NodeTopology, all_pairs
-from .smi import nvlink_domains
+from .model import Device, Link, NodeTopology, all_pairs, nvlink_domains
 
 # NVML_TOPOLOGY_* common-ancestor levels -> the path names of `nvidia-smi topo -m`.
 # INTERNAL (two GPUs on one board, e.g. K80) is the closest a PCIe path can be: pix.

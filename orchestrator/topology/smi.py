@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import TopologyError
-from .bandwidth import estimate, nvlink_gen_for
-from .model import Device, Link, Nic, NodeTopology, all_pairs
+from .bandwidth import NO_MODEL_WARNING, estimate, nvlink_gen_for
+from .model import Device, Link, Nic, NodeTopology, all_pairs, nvlink_domains
 
 # Matrix cells. SOC is the pre-2017 spelling of SYS.
 _PCIE_CELLS = {"PIX": "pix", "PXB": "pxb", "PHB": "phb", "NODE": "node", "SYS": "sys", "SOC": "sys"}
@@ -25,7 +25,6 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _TRAILING_LABELS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _TRAILING_START = re.compile(r"\b(CPU Affinity|NUMA Affinity|GPU NUMA ID)\b")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
-NO_MODEL_WARNING = "the capture does not name the GPU model; NVLink bandwidth assumes 25 GB/s per lane"
 """Ends the warning given when NVLink rates had to be assumed (a refinement that names the GPUs drops it)."""
 # The most NVLink lanes one GPU has (Hopper and Blackwell: 18).
 _MAX_GPU_LANES = 18
@@ -136,52 +135,6 @@ def _numa_range(value: str | None) -> list[int]:
         lo, _, hi = part.partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return out
-
-
-def nvlink_domains(indices: list[int], links: list[Link]) -> list[list[int]]:
-    """Disjoint groups of devices in which every pair is joined by NVLink, largest first.
-
-    Each connected NVLink component that is a clique is one domain (an NVSwitch island, a
-    bridged pair, a fully connected quad). A component that is not a clique (the DGX-1 hybrid
-    cube mesh) is split into its largest cliques, because collectives confined to a domain
-    assume every member reaches every other over NVLink.
-    """
-    adj: dict[int, set[int]] = {i: set() for i in indices}
-    for l in links:
-        if l.kind == "nvlink" and l.a in adj and l.b in adj:
-            adj[l.a].add(l.b)
-            adj[l.b].add(l.a)
-    remaining = {i for i in indices if adj[i]}
-    domains: list[list[int]] = []
-    while remaining:
-        best = _max_clique(remaining, adj)
-        if len(best) < 2:
-            break
-        domains.append(sorted(best))
-        remaining -= best
-    return sorted(domains, key=lambda d: (-len(d), d[0]))
-
-
-def _max_clique(nodes: set[int], adj: dict[int, set[int]]) -> set[int]:
-    """Largest clique of the subgraph on `nodes` (Bron-Kerbosch with pivoting)."""
-    best: set[int] = set()
-
-    def expand(r: set[int], p: set[int], x: set[int]) -> None:
-        nonlocal best
-        if not p and not x:
-            if len(r) > len(best) or (len(r) == len(best) and min(r) < min(best)):
-                best = r
-            return
-        if len(r) + len(p) <= len(best):
-            return
-        pivot = max(p | x, key=lambda v: len(adj[v] & p))
-        for v in sorted(p - adj[pivot]):
-            expand(r | {v}, p & adj[v], x & adj[v])
-            p = p - {v}
-            x = x | {v}
-
-    expand(set(), set(nodes), set())
-    return best
 
 
 def make_link(a: int, b: int, kind: str, nvlinks: int = 0, name: str = "", via_switch: bool = False,

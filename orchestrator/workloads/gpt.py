@@ -2,7 +2,7 @@
 
 Imports torch only; the orchestrator's runtime wraps it (DDP, FSDP2, tensor parallelism)
 without the model knowing. Attention and MLP keep their projections as separate named
-Linear layers (`c_attn`, `c_proj`, `c_fc`) so tensor-parallel plans can address them.
+Linear layers (`q_proj`, `k_proj`, `v_proj`, `c_proj`, `c_fc`) so tensor-parallel plans can address them.
 """
 
 from __future__ import annotations

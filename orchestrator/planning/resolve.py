@@ -1,0 +1,197 @@
+"""What really runs: the one statement of how a planned strategy is executed.
+
+A plan names a strategy on a mesh; torch cannot run every combination as named (DDP cannot
+reduce DTensor gradients, ZeroRedundancyOptimizer cannot hold DTensor shards, PowerSGD is a
+DDP comm hook, gloo has no bf16 reduction, fp16 needs a loss scaler). `resolve` turns the
+request into an `Execution` that says what the runtime will do instead, and why. The memory
+model, the cost model and the runtime all call it, so what is priced is what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
+from ..errors import PlanError
+from .mesh import Mesh
+
+DEVICE_KINDS = ("gpu", "cpu")
+# torch's PowerSGDState.start_powerSGD_iter: plain all-reduce for the first iterations while
+# error feedback settles. Its docs suggest about 10% of training; it must be at least 2 when
+# error feedback or warm start is on (both are, by default).
+POWERSGD_WARMUP_FRACTION = 0.1
+POWERSGD_MIN_WARMUP = 2
+
+
+class Unsupported(PlanError):
+    """The runtime cannot execute this combination at all; the message says why and what would run."""
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the runtime executes a planned strategy on a mesh."""
+
+    strategy: Strategy
+    """The strategy as planned (what the user asked for or the planner chose)."""
+    mesh: Mesh
+    device: str
+    """`gpu` (NCCL) or `cpu` (gloo): the kind of device the ranks run on."""
+    wrapping: Strategy
+    """The strategy whose wrapping runs: the planned one, or zero2 (FSDP2 without resharding
+    after forward) for ddp and zero1 with tensor parallelism."""
+    shard_group: int
+    """Ranks each model state is sharded over (1: replicated)."""
+    ddp_reduces: bool
+    """Gradients are reduced by DistributedDataParallel (buckets, comm hooks); else by FSDP2."""
+    zero_optimizer: bool
+    """ZeroRedundancyOptimizer shards the optimizer state (zero1 without tensor parallelism)."""
+    reshard_after_forward: bool
+    """FSDP2 frees gathered weights after each unit's forward (zero3, hsdp)."""
+    fsdp_replicates: bool
+    """FSDP2 runs on the 2-D (dp_replicate, dp_shard) mesh, replicating across dp_replicate
+    (hsdp, and ddp with tensor parallelism); else it shards over all data-parallel ranks."""
+    autocast: Precision | None
+    """The dtype forward and backward autocast to (bf16 or fp16); None for fp32."""
+    param_dtype: Precision
+    """The dtype FSDP2 all-gathers weights in (the autocast dtype, torchtitan's policy)."""
+    loss_scaling: bool
+    """fp16 runs with a GradScaler."""
+    sync_algorithm: SyncAlgorithm
+    """The data-parallel all-reduce that runs: flat or hierarchical (auto only while the cost
+    model still chooses between them)."""
+    compression: Compression
+    """The gradient compression that runs."""
+    compression_warmup_steps: int
+    """Optimizer steps of plain all-reduce before PowerSGD starts compressing (0 otherwise)."""
+    recompute: Recompute
+    bucket_mb: float
+    """DDP's bucket_cap_mb (DDP reducers only)."""
+    flat_reason: str = ""
+    """Why a hierarchical all-reduce cannot run here ("" where it can)."""
+    notes: tuple[str, ...] = ()
+    """What runs differently from the request, and why (one sentence each)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+
+def resolve_precision(precision: Precision | str, device: str) -> Precision | None:
+    """The autocast dtype of `train.precision` on a device kind: `auto` is bf16 on GPU and
+    fp32 (None) on CPU; an explicit bf16 or fp16 autocasts on CPU too."""
+    precision = Precision(precision)
+    if device not in DEVICE_KINDS:
+        raise ValueError(f"device kind must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
+    if precision == Precision.fp32 or (precision == Precision.auto and device == "cpu"):
+        return None
+    return Precision.fp16 if precision == Precision.fp16 else Precision.bf16
+
+
+def wrapping_of(strategy: Strategy | str, tp: int) -> Strategy:
+    """The strategy whose wrapping runs: with tensor parallelism DDP cannot reduce DTensor
+    gradients and ZeroRedundancyOptimizer cannot hold DTensor shards, so ddp and zero1 run as
+    FSDP2 without resharding after forward (zero2's wrapping; ddp's over a shard group of one)."""
+    strategy = Strategy(strategy)
+    return Strategy.zero2 if tp > 1 and strategy in (Strategy.ddp, Strategy.zero1) else strategy
+
+
+def powersgd_warmup(max_steps: int) -> int:
+    """Steps of plain all-reduce before PowerSGD compresses: about 10% of the run, at least 2."""
+    return max(POWERSGD_MIN_WARMUP, round(POWERSGD_WARMUP_FRACTION * max_steps))
+
+
+def resolve(
+    strategy: Strategy | str,
+    mesh: Mesh,
+    *,
+    precision: Precision | str,
+    device: str,
+    recompute: Recompute | str = Recompute.none,
+    compression: Compression | str = Compression.none,
+    algorithm: SyncAlgorithm | str = SyncAlgorithm.flat,
+    bucket_mb: float = 25.0,
+    max_steps: int = 0,
+) -> Execution:
+    """How `strategy` on `mesh` runs; Unsupported when it cannot run at all.
+
+    `algorithm=auto` stays auto where a hierarchical all-reduce could run (the cost model then
+    picks), and becomes flat where it cannot. `max_steps` sizes PowerSGD's warm-up.
+    """
+    if device not in DEVICE_KINDS:
+        raise ValueError(f"device kind must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
+    strategy, recompute = Strategy(strategy), Recompute(recompute)
+    compression, algorithm = Compression(compression), SyncAlgorithm(algorithm)
+    if strategy == Strategy.auto or recompute == Recompute.auto or compression == Compression.auto:
+        raise ValueError("resolve takes concrete choices; `auto` is the planner's to decide")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
+    tp = mesh.tp
+    notes: list[str] = []
+    if strategy == Strategy.ddp and mesh.dp_shard > 1:
+        raise Unsupported(f"ddp does not shard: dp_shard must be 1, got {mesh.dp_shard} (use hsdp or zero*)")
+
+    wrapping = wrapping_of(strategy, tp)
+    if wrapping != strategy:
+        notes.append(f"{strategy} with tp={tp} runs as FSDP2 (zero2's wrapping"
+                     + (", nothing sharded)" if strategy == Strategy.ddp else ")")
+                     + ": DDP and ZeroRedundancyOptimizer cannot handle DTensor parameters")
+    ddp_reduces = wrapping in (Strategy.ddp, Strategy.zero1)
+    if strategy == Strategy.ddp:
+        shard_group = 1
+    elif strategy == Strategy.hsdp:
+        shard_group = mesh.dp_shard
+    else:
+        shard_group = mesh.dp
+
+    autocast = resolve_precision(precision, device)
+    loss_scaling = autocast == Precision.fp16
+    if loss_scaling and not (strategy == Strategy.ddp and tp == 1):
+        raise Unsupported(
+            f"train.precision=fp16 needs loss scaling, which runs with DDP only (tp=1), not {strategy} with tp={tp}; "
+            f"use train.precision=bf16, or parallel.strategy=ddp parallel.tp=1"
+        )
+
+    if compression == Compression.bf16 and device == "cpu":
+        notes.append("bf16 gradient compression skipped: it needs the NCCL backend, CPU ranks use gloo")
+        compression = Compression.none
+    if compression == Compression.powersgd and not ddp_reduces:
+        notes.append("powersgd compression skipped: it is a DDP comm hook and FSDP2 reduce-scatters sharded "
+                     "gradients, which a low-rank all-reduce cannot express")
+        compression = Compression.none
+    warmup = powersgd_warmup(max_steps) if compression == Compression.powersgd else 0
+
+    why_flat = ""
+    if not ddp_reduces:
+        why_flat = ("hsdp's mesh already is the hierarchy (shards inside, replicas across) and FSDP2 has no comm hook "
+                    "for its replica all-reduce" if wrapping == Strategy.hsdp
+                    else f"{strategy}" + (f" with tp={tp}" if tp > 1 else "")
+                    + " reduces gradients through FSDP2, which has no comm hook")
+    elif wrapping == Strategy.zero1:
+        why_flat = "zero1 reduce-scatters and all-gathers in flat rings"
+    elif compression == Compression.powersgd:
+        why_flat = "powersgd compression is its own all-reduce scheme"
+    if why_flat and algorithm != SyncAlgorithm.flat:
+        if algorithm == SyncAlgorithm.hierarchical:
+            notes.append(f"hierarchical all-reduce runs flat: {why_flat}")
+        algorithm = SyncAlgorithm.flat
+
+    return Execution(
+        strategy=strategy, mesh=mesh, device=device, wrapping=wrapping, shard_group=shard_group, ddp_reduces=ddp_reduces,
+        zero_optimizer=wrapping == Strategy.zero1,
+        reshard_after_forward=wrapping in (Strategy.zero3, Strategy.hsdp),
+        fsdp_replicates=not ddp_reduces and strategy in (Strategy.ddp, Strategy.hsdp),
+        autocast=autocast, param_dtype=autocast or Precision.fp32, loss_scaling=loss_scaling,
+        sync_algorithm=algorithm, compression=compression, compression_warmup_steps=warmup,
+        recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes),
+    )
+
+
+def on_device(ex: Execution, device: str, precision: Precision | str, requested: Compression | str,
+              max_steps: int) -> Execution:
+    """`ex` resolved again for the device kind a rank really got (a rank that Ray gave a GPU
+    but that has no CUDA runs on CPU with gloo); `ex` itself when the kind is the planned one."""
+    if device == ex.device:
+        return ex
+    again = resolve(ex.strategy, ex.mesh, precision=precision, device=device, recompute=ex.recompute,
+                    compression=requested, algorithm=ex.sync_algorithm, bucket_mb=ex.bucket_mb, max_steps=max_steps)
+    return replace(again, notes=again.notes + (f"planned for {ex.device} ranks, running on {device}",))
