@@ -40,8 +40,8 @@ def measure(nodes: int, repeats: int) -> dict:
         t0 = time.perf_counter()
         plan = plan_job(cfg, topo)
         best = min(best, time.perf_counter() - t0)
-    return {"nodes": nodes, "gpus": plan.world_size, "seconds": round(best, 4), "strategy": plan.strategy,
-            "mesh": plan.mesh, "fits": plan.fits, "step_time_s": round(plan.step_time["total_s"], 4)}
+    return {"nodes": nodes, "gpus": plan.world_size, "seconds": round(best, 4), "strategy": str(plan.strategy),
+            "mesh": plan.mesh.to_dict(), "fits": plan.fits, "step_time_s": round(plan.step_time.total_s, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,17 @@ class Recompute(Choice):
     full = "full"
 
 
+class PipelineSchedule(Choice):
+    """How a pipeline orders its micro-batches' forward and backward passes
+    (torch.distributed.pipelining's schedules)."""
+
+    auto = "auto"
+    gpipe = "gpipe"
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+    zero_bubble = "zero_bubble"
+
+
 class Compression(Choice):
     """Gradient compression on the wire."""
 

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
+from .choices import Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
 from .errors import ConfigError
 
 
@@ -97,6 +97,13 @@ class ParallelConfig:
     """Tensor-parallel degree (inside an NVLink domain); `auto` lets the planner choose."""
     dp_shard: Union[int, str] = "auto"
     """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
+    pp: Union[int, str] = "auto"
+    """Pipeline stages (the outermost mesh axis, across the slowest links); `auto` to plan."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.auto
+    """Pipeline schedule: `auto`, `gpipe`, `1f1b`, `interleaved_1f1b` or `zero_bubble`
+    (torch's interleaved zero-bubble schedule)."""
+    pp_microbatches: Union[int, str] = "auto"
+    """Micro-batches each pipeline runs per optimizer step; `auto` to plan."""
     recompute: Recompute = Recompute.auto
     """Activation recomputation: `auto`, `none`, `selective` or `full`."""
     bucket_mb: Union[float, str] = "auto"
@@ -310,6 +317,11 @@ def validate(cfg: JobConfig) -> None:
     _positive(t.max_failures, "train.max_failures", allow_zero=True)
     _auto_or_positive_int(p.tp, "parallel.tp")
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
+    _auto_or_positive_int(p.pp, "parallel.pp")
+    _auto_or_positive_int(p.pp_microbatches, "parallel.pp_microbatches")
+    if p.pp != "auto" and p.pp > m.n_layer:
+        raise ConfigError(f"key 'parallel.pp': at most model.n_layer ({m.n_layer}) stages, one block each at least, "
+                          f"got {p.pp}")
     if p.bucket_mb != "auto" and (isinstance(p.bucket_mb, str) or p.bucket_mb <= 0):
         raise ConfigError(f"key 'parallel.bucket_mb': expected 'auto' or a positive number, got {p.bucket_mb!r}")
     if p.tp != "auto" and m.n_head % p.tp:

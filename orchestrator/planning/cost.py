@@ -5,17 +5,35 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
-from .comm import GroupLinks, all_reduce, gloo_all_reduce, group_all_gather, group_all_reduce, group_reduce_scatter
+from ..choices import Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
+from .comm import (
+    GLOO_LAUNCH_US,
+    LAUNCH_S,
+    GroupLinks,
+    all_reduce,
+    gloo_all_reduce,
+    group_all_gather,
+    group_all_reduce,
+    group_reduce_scatter,
+)
 from .compute import DeviceSpeed, efficiency, matmul_seconds, optimizer_seconds
 from .layout import ClusterLayout
 from .memory import ByteLayout, MemoryBreakdown, params_per_tp_rank, rank_memory, runtime_states
 from .mesh import Mesh
-from .model_math import ModelShape, block_params, flops_per_step
-from .resolve import Execution, resolve
+from .model_math import ModelShape, block_params, flops_per_step, root_params
+from .pipeline import bubble_fraction, resolve_pipeline, slowest_stage, stage_cost, stage_share
+from .resolve import Execution, Unsupported, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
 
 GB = 1e9
+# Fraction of overlapped communication time that still slows the step: the collective kernels
+# occupy SMs and HBM bandwidth the overlapped matmuls would use (checked against Narayanan et
+# al. 2021's sharded-data-parallel vs PTD-P measurements: benchmarks/narayanan_ptdp.py).
+COMM_CONTENTION = 0.3
+# A ring step that crosses the network costs NCCL about this much beyond the wire's one-way
+# latency (proxy thread hand-off, network-protocol handshakes), so a ring over hundreds of
+# nodes pays milliseconds per collective.
+NCCL_NET_STEP_US = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,10 @@ class Choice:
     """Requested all-reduce schedule: auto, flat or hierarchical."""
     bucket_mb: float | None = None
     """Forced DDP bucket size; None sizes it."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    """The pipeline schedule (with mesh.pp > 1)."""
+    virtual: int = 1
+    """Chunks per pipeline rank (interleaved schedules)."""
 
 
 @dataclass
@@ -85,10 +107,12 @@ class Estimate:
     """Seconds of communication per step by what it is for (tp, gradients, gathers)."""
     schedule: str = ""
     """The collective schedule the gradient reduction uses, in words."""
+    bubble_s: float = 0.0
+    """Seconds the pipeline's slowest stage idles per step (its schedule's bubble)."""
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s
+        return self.compute_s + self.bubble_s + self.exposed_comm_s
 
     def fits(self, usable: int) -> bool:
         return self.memory.total <= usable
@@ -104,15 +128,23 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
     inter = ctx.net_gbps * per_node / ctx.gpus_per_node if spans else math.inf
     return GroupLinks(size=size, per_node=per_node, intra_gbps=ring.gbps,
                       intra_lat_us=ring.lat_us if per_node > 1 else 0.0,
-                      inter_gbps=inter, inter_lat_us=ctx.net_lat_us if spans else 0.0,
+                      inter_gbps=inter,
+                      inter_lat_us=(ctx.net_lat_us + (NCCL_NET_STEP_US if ctx.on_gpu else 0.0)) if spans else 0.0,
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
 def execution(ctx: JobContext, c: Choice, bucket_mb: float | None = None) -> Execution:
     """What runs for choice `c` (Unsupported when it cannot run at all)."""
+    pipeline = None
+    if c.mesh.pp > 1:
+        m = ctx.global_batch // (c.mesh.dp * c.micro_batch)
+        try:
+            pipeline = resolve_pipeline(ctx.shape, c.mesh.pp, c.pp_schedule, m, c.virtual)
+        except ValueError as e:
+            raise Unsupported(str(e)) from e
     return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
                    compression=c.compression, algorithm=c.algorithm, bucket_mb=bucket_mb or c.bucket_mb or 25.0,
-                   max_steps=ctx.max_steps)
+                   max_steps=ctx.max_steps, pipeline=pipeline)
 
 
 def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
@@ -120,9 +152,18 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     Unsupported when it cannot run at all."""
     shape, lay = ctx.shape, ctx.layout
     ex = execution(ctx, c)
-    tp, world, dp = c.mesh.tp, c.mesh.world_size, c.mesh.dp
+    pl = ex.pipeline
+    tp, dp = c.mesh.tp, c.mesh.dp
     accum = ctx.global_batch // (dp * c.micro_batch)
-    p_rank = params_per_tp_rank(shape, tp)
+    # With a pipeline the accumulation steps are its micro-batches, and a rank holds and runs
+    # its stage; the slowest stage sets the pace of the whole pipeline.
+    slow = slowest_stage(shape, pl)
+    share = stage_share(shape, pl, slow) if pl else None
+    work = stage_cost(shape, pl, slow) / stage_cost(shape, None, 0) if pl else 1.0
+    p_whole = params_per_tp_rank(shape, tp)
+    per_block_rank = (p_whole - root_params(shape)) / shape.layers
+    p_rank = share.blocks * per_block_rank + share.root if share else p_whole
+    blocks = share.blocks if share else shape.layers
     block = block_params(shape) / tp
     wrapping = ex.wrapping
     # FSDP2 over a shard group of one (ddp with tensor parallelism) all-reduces per unit while
@@ -131,14 +172,16 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     flat_note = (f" (parallel.sync=hierarchical runs flat: {ex.flat_reason})"
                  if c.algorithm == SyncAlgorithm.hierarchical and ex.flat_reason else "")
 
-    # Compute: the job's hardware FLOPs split evenly over the ranks.
-    flops = flops_per_step(shape, ctx.global_batch, c.recompute) / world
+    # Compute: the job's hardware FLOPs split evenly over the data- and tensor-parallel ranks,
+    # the slowest pipeline stage's share of them on each.
+    flops = flops_per_step(shape, ctx.global_batch, c.recompute) / (dp * tp) * work
     eff = efficiency(c.micro_batch * shape.seq, shape.hidden / tp, ctx.on_gpu)
     mm = matmul_seconds(flops, ctx.speed, eff)
     fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / flops_per_step(shape, ctx.global_batch, c.recompute)
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
-    st = runtime_states(c.strategy, shape, tp, ex.shard_group, lay)
+    st = runtime_states(c.strategy, shape, tp, ex.shard_group, lay, share)
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
+    bubble_s = mm * pl.bubble if pl else 0.0
 
     # Tensor parallelism: two all-reduces of a block's activations forward, two backward
     # (reduce-scatter + all-gather pairs under sequence parallelism move the same bytes),
@@ -152,8 +195,20 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         else:
             per_ar = gloo_all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us, ctx.speed.mem_gbps)
         n = 4 + (2 if c.recompute == "full" else 0)
-        parts["tp"] = accum * shape.layers * n * per_ar
-    tp_s = parts.get("tp", 0.0)
+        parts["tp"] = accum * blocks * n * per_ar * (1 + (pl.bubble if pl else 0.0))
+    if pl:
+        # Each micro-batch's activation crosses every chunk boundary forward and its gradient
+        # backward, on the link between adjacent stages (torch's schedules wait for them).
+        ppl = group_links(ctx, cl, "pp")
+        act = c.micro_batch * shape.seq * shape.hidden * lay.activation
+        send = p2p_seconds(act, ppl.flat_gbps, ppl.flat_lat_us, ctx.on_gpu)
+        parts["pipeline p2p"] = 2 * pl.virtual * pl.microbatches * send
+        # In the steady state a send overlaps the next micro-batch's compute; the first
+        # micro-batch's trip through all p*v chunks forward and back is on the critical path.
+        p2p_exposed = 2 * (pl.stages * pl.virtual - 1) * send
+    else:
+        p2p_exposed = 0.0
+    tp_s = parts.get("tp", 0.0) + p2p_exposed
 
     grad_wire = wire_bytes_per_grad(ex.compression, lay.grads, ctx.powersgd_ratio,
                                     ex.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
@@ -183,15 +238,22 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     else:
         gl = group_links(ctx, cl, "dp_shard")
         bucket_mb = block * grad_wire / MB
-        rs = group_reduce_scatter(grad_bytes, gl)
+        # FSDP2 runs one collective per unit (every block, and the root): each pays the ring's
+        # latency, which at hundreds of ranks across nodes is milliseconds per collective.
+        units = blocks + 1
+        rs = units * group_reduce_scatter(grad_bytes / units, gl)
         rs_block = group_reduce_scatter(block * grad_wire, gl)
         gather_w = p_rank * lay.compute
-        ag = group_all_gather(gather_w, gl)
+        ag = units * group_all_gather(gather_w / units, gl)
         ag_block = group_all_gather(block * lay.compute, gl)
+        # Under a pipeline FSDP2 reduce-scatters once, after the last micro-batch's backward
+        # (torch's stages turn gradient sync off for the others).
+        syncs = 1 if pl else accum
         if not ex.reshard_after_forward:
             # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
-            parts["grad reduce-scatter"], parts["param all-gather"] = accum * rs, ag
-            exposed += accum * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap else accum * rs + ag
+            parts["grad reduce-scatter"], parts["param all-gather"] = syncs * rs, ag
+            exposed += (syncs * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap
+                        else syncs * rs + ag)
         else:
             # ZeRO-3 / FSDP: gather forward, gather again for backward, reduce-scatter, per micro-step.
             parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, accum * rs
@@ -209,10 +271,48 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             schedule = f"{schedule}; replicas: {sched}"
         schedule += flat_note
     comm_s = sum(parts.values())
+    exposed = min(exposed, comm_s)
+    if overlap:
+        # Hidden communication is not free: NCCL's kernels take SMs and memory bandwidth from
+        # the matmuls they overlap.
+        exposed += COMM_CONTENTION * (comm_s - exposed)
     algorithm = "hierarchical" if schedule.startswith("hierarchical") else "flat"
     sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=SyncAlgorithm(algorithm), compression=ex.compression,
                     grad_accum_steps=accum, overlap=overlap)
-    mem = rank_memory(c.strategy, shape, tp, ex.shard_group, c.micro_batch, c.recompute, lay,
-                      bucket_mb * MB if ex.ddp_reduces else 0.0, ctx.on_gpu)
-    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=min(exposed, comm_s),
-                    sync=sync, comm_parts=parts, schedule=schedule)
+    mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0)
+    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=exposed,
+                    sync=sync, comm_parts=parts, schedule=schedule, bubble_s=bubble_s)
+
+
+def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> float:
+    """One point-to-point send of n bytes between adjacent stages (gloo's thread hand-off on CPU)."""
+    launch = LAUNCH_S if on_gpu else GLOO_LAUNCH_US * 1e-6
+    return launch + lat_us * 1e-6 + nbytes / (gbps * 1e9)
+
+
+def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float) -> MemoryBreakdown:
+    """Peak bytes of the fullest rank: every pipeline stage differs (the first holds the
+    embeddings and the most micro-batches in flight, the last the head and the logits)."""
+    args = (c.strategy, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
+            ctx.on_gpu)
+    pl = ex.pipeline
+    if pl is None:
+        return rank_memory(*args)
+    # Activations in flight fall with the stage index and blocks differ by at most one between
+    # middle stages, so the fullest rank is the first, the second, the last, or the first middle
+    # stage with the most blocks.
+    middle = range(1, pl.stages - 1)
+    most = max(middle, key=lambda s: stage_share(ctx.shape, pl, s).blocks, default=0)
+    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s), in_flight=pl.in_flight(s))
+                for s in sorted({0, min(1, pl.stages - 1), most, pl.stages - 1})), key=lambda m: m.total)
+
+
+def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Recompute | str = Recompute.none) -> float:
+    """A lower bound on the step time of any plan on `mesh` with micro-batches of at most
+    `micro_batch`: its matmuls split perfectly over every rank, and the smallest bubble a
+    pipeline of that many micro-batches can have (interleaved with two chunks, zero-bubble's
+    third of it), nothing else."""
+    eff = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden / mesh.tp, ctx.on_gpu)
+    busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed, eff)
+    m = max(1, ctx.global_batch // (mesh.dp * micro_batch))
+    return busy * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, m, 2 if mesh.pp > 1 else 1))

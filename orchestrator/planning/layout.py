@@ -77,12 +77,22 @@ class NodeLayout:
 
 def in_node_shape(mesh: Mesh, g: int) -> Mesh:
     """The members of each axis inside one node of g ranks; ValueError when the mesh does not
-    cut into whole nodes."""
-    rep, shard, tp = mesh.shape
+    cut into whole nodes. A pipeline stage either fills whole nodes or several stages share a
+    node (pp is the outermost axis, so it is the last to enter a node)."""
+    rep, shard, tp = mesh.dp_replicate, mesh.dp_shard, mesh.tp
     if g < 1:
         raise ValueError(f"a node needs at least one device, got {g}")
     if tp > g or g % tp:
         raise ValueError(f"tp={tp} must divide the {g} devices of a node (tensor parallelism stays inside a node)")
+    stage = rep * shard * tp
+    if mesh.pp > 1:
+        if stage < g:
+            if g % stage or mesh.pp % (g // stage):
+                raise ValueError(f"a pipeline stage of {stage} ranks must divide a node's {g} devices, and the "
+                                 f"{mesh.pp} stages fill whole nodes")
+            return Mesh(rep, shard, tp, pp=g // stage)
+        if stage % g:
+            raise ValueError(f"a pipeline stage of {stage} ranks must fill whole nodes of {g} devices")
     rest = g // tp
     if shard >= rest:
         if shard % rest:
@@ -328,13 +338,40 @@ def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True) ->
     if world != g * len(wirings.node_index):
         raise ValueError(f"the mesh {mesh} has {world} ranks, the cluster {g * len(wirings.node_index)} devices")
     shape_in = in_node_shape(mesh, g)
+    pp_in, rep_in = shape_in.pp, shape_in.dp_replicate
     spans = tuple(full > inside for full, inside in zip(mesh.shape, shape_in.shape))
-    layouts = tuple(node_layout(w, shape_in.shape, spans, topology_aware) for w in wirings.unique)
+    # Stages sharing a node are laid out as outer replicas; their own links are measured below.
+    three = (pp_in * rep_in, shape_in.dp_shard, shape_in.tp)
+    layouts = tuple(node_layout(w, three, (spans[0] or spans[1],) + spans[2:], topology_aware) for w in wirings.unique)
+    if pp_in > 1:
+        layouts = tuple(_with_pipeline(l, w, shape_in, spans) for l, w in zip(layouts, wirings.unique))
     rings = {}
-    for axis in ("tp", "dp_shard", "dp_replicate"):
-        stats = [l.rings[axis] for l in layouts]
+    for axis in AXIS_ORDER:
+        stats = [l.rings.get(axis, RingStats(math.inf, 0.0)) for l in layouts]
         rings[axis] = RingStats(min(s.gbps for s in stats), max(s.lat_us for s in stats))
     return ClusterLayout(mesh, shape_in, layouts, wirings.node_index, rings, shape_in.to_dict())
+
+
+AXIS_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")
+
+
+def _with_pipeline(layout: NodeLayout, wiring: NodeWiring, shape_in: Mesh, spans: tuple[bool, ...]) -> NodeLayout:
+    """The rings of dp_replicate and pp when several stages share a node: a stage's replicas
+    are strided by dp_shard x tp inside the stage, consecutive stages by the stage's size, and
+    pp is a path (point-to-point sends between neighbours), never a ring."""
+    table, order = wiring.table(), layout.order
+    inner = shape_in.dp_replicate * shape_in.dp_shard * shape_in.tp
+    rings = dict(layout.rings)
+    for axis, stride, size, closed, block in (
+            ("dp_replicate", shape_in.dp_shard * shape_in.tp, shape_in.dp_replicate, not spans[1], inner),
+            ("pp", inner, shape_in.pp, False, len(order))):
+        worst, lat = math.inf, 0.0
+        for base in range(0, len(order), block):
+            for off in range(stride):
+                bw, l, _ = _ring([order[base + off + i * stride] for i in range(size)], closed, table)
+                worst, lat = min(worst, bw), max(lat, l)
+        rings[axis] = RingStats(worst, lat)
+    return NodeLayout(order=layout.order, rings=rings, uniform=layout.uniform)
 
 
 def rank_placements(topo: ClusterTopology, layout: ClusterLayout) -> tuple[RankPlacement, ...]:

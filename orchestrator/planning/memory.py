@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..choices import Precision, Strategy
-from .model_math import ModelShape, activation_bytes, root_params, tp_param_split
+from .model_math import ModelShape, activation_bytes, activation_bytes_per_layer, root_params, tp_param_split
+from .pipeline import StageShare
 from .resolve import resolve_precision, wrapping_of
 
 STRATEGIES = Strategy.concrete()
@@ -144,7 +145,8 @@ class StateBytes:
     them (transient)."""
 
 
-def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout) -> StateBytes:
+def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout,
+                   share: StageShare | None = None) -> StateBytes:
     """Model-state bytes one rank keeps under the runtime's wrapping of the GPT.
 
     ddp and zero1 keep what ZeRO counts. FSDP2 (zero2, zero3, hsdp) shards every weight over
@@ -155,7 +157,8 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     block's gathered weights from its forward until its backward, so at the start of backward
     all of them exist at once; zero3 and hsdp re-gather per block and hold the block being
     computed plus the one being prefetched. Gathered weights and their unsharded gradients are
-    in the layout's `compute` dtype (FSDP2's param_dtype); the shards are fp32.
+    in the layout's `compute` dtype (FSDP2's param_dtype); the shards are fp32. With a pipeline,
+    `share` is what the rank's stage holds (its blocks; the embeddings or the head).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -165,22 +168,26 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
         raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
     strategy = wrapping_of(strategy, tp)
     p = params_per_tp_rank(shape, tp)
+    root = root_params(shape)
+    per_block = (p - root) / shape.layers
+    if share is not None:
+        root = share.root
+        p = share.blocks * per_block + root
     if strategy in ("ddp", "zero1"):
         w, g, k = model_states(strategy, p, shard, layout)
         return StateBytes(w, g, k, 0.0, 0.0)
     w, g, k = (p * b / shard for b in (layout.weights, layout.grads, layout.optimizer))
-    root, block = root_params(shape), p - root_params(shape)
-    per_block = block / shape.layers
+    blocks = shape.layers if share is None else share.blocks
     if strategy == "zero2":
         gathered = p * layout.compute
     else:
-        gathered = (root + min(FSDP_PREFETCH_BLOCKS, shape.layers) * per_block) * layout.compute
+        gathered = (root + min(FSDP_PREFETCH_BLOCKS, blocks) * per_block) * layout.compute
     return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute)
 
 
 def buffer_bytes(
     strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout, bucket_bytes: float, micro_batch: int,
-    on_gpu: bool,
+    on_gpu: bool, share: StageShare | None = None,
 ) -> float:
     """Transient buffers: two gradient buckets in flight for DDP-style reduction, or FSDP2's
     gathered weights and unsharded gradients (`runtime_states`); the tensor-parallel gather of
@@ -188,8 +195,10 @@ def buffer_bytes(
     if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
         comm = 2 * bucket_bytes
     else:
-        st = runtime_states(strategy, shape, tp, shard, layout)
+        st = runtime_states(strategy, shape, tp, shard, layout, share)
         comm = st.gathered + st.unsharded_grads
+    if share is not None and not (share.first and share.last):
+        comm += 2 * micro_batch * shape.seq * shape.hidden * layout.activation  # a received and a sent activation
     if tp > 1:
         comm += micro_batch * shape.seq * shape.hidden * layout.activation
     return comm + (GPU_WORKSPACE_BYTES if on_gpu else 0)
@@ -205,6 +214,8 @@ def rank_memory(
     layout: ByteLayout,
     bucket_bytes: float,
     on_gpu: bool = True,
+    share: StageShare | None = None,
+    in_flight: float = 1.0,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
     micro-batch's activations, transient buffers.
@@ -214,13 +225,25 @@ def rank_memory(
     activations stay whole on every rank.
     The fp32 logits and their gradient, which cross-entropy materialises, are added to the
     activation estimate: they dominate at large vocabularies.
+
+    A pipeline rank (`share`) keeps its own blocks' activations for `in_flight` micro-batches
+    (`Pipeline.in_flight`: up to p on the first stage under 1F1B); the embedding term sits on
+    the first stage, the output term and the logits on the last.
     """
-    st = runtime_states(strategy, shape, tp, shard, layout)
+    st = runtime_states(strategy, shape, tp, shard, layout, share)
     w, g, k = st.params, st.grads, st.optimizer
-    act = activation_bytes(shape, micro_batch, tp, sequence_parallel=False, recompute=recompute,
-                           bytes_per_value=layout.activation)
-    act += 8 * micro_batch * shape.seq * shape.vocab / tp
-    buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu)
+    if share is None:
+        act = activation_bytes(shape, micro_batch, tp, sequence_parallel=False, recompute=recompute,
+                               bytes_per_value=layout.activation)
+        act += 8 * micro_batch * shape.seq * shape.vocab / tp
+    else:
+        per_layer = activation_bytes_per_layer(shape, micro_batch, tp, False, recompute) * layout.activation / 2
+        s, b, h = shape.seq, micro_batch, shape.hidden
+        edge = 4 * s * b * h / tp * layout.activation / 2
+        act = in_flight * (share.blocks * per_layer + edge * share.first)
+        if share.last:
+            act += edge * shape.vocab / h + 8 * micro_batch * shape.seq * shape.vocab / tp
+    buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
     parts = [int(round(x)) for x in (w, g, k, act, buf)]
     return MemoryBreakdown(*parts, total=sum(parts))
 

@@ -1,14 +1,19 @@
 """The device mesh: named axes, as torchtitan's ParallelDims names them.
 
 Ranks are numbered as `init_device_mesh` numbers them: the last axis (tp) varies fastest, so a
-tensor-parallel group is adjacent ranks, and node n holds ranks [n*g, (n+1)*g).
+tensor-parallel group is adjacent ranks, and node n holds ranks [n*g, (n+1)*g). Pipeline stages
+(pp) are outermost: a stage is a contiguous block of ranks, so consecutive stages sit on
+different nodes as soon as a stage fills a node (Narayanan et al. 2021: tensor parallelism
+inside a node, pipeline across nodes).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
-AXES = ("dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh axes, outermost first."""
 
 
@@ -22,6 +27,9 @@ class Mesh:
     """Ranks model states are sharded over (ZeRO's N, HSDP's shard group)."""
     tp: int = 1
     """Tensor-parallel ranks, which split every block's matmuls."""
+    pp: int = 1
+    """Pipeline stages, each holding a contiguous run of blocks (the outermost axis; declared
+    last so that `Mesh(dp_replicate, dp_shard, tp)` keeps meaning what it always meant)."""
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -36,7 +44,7 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp(self) -> int:
@@ -59,16 +67,24 @@ class Mesh:
         return cls(**{a: int(d[a]) for a in AXES if a in d})
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """The rank sets varying along each axis, in init_device_mesh's numbering."""
-        rep, shard, tp = self.shape
-        return {
-            "dp_replicate": [[(r * shard + s) * tp + t for r in range(rep)] for s in range(shard) for t in range(tp)],
-            "dp_shard": [[(r * shard + s) * tp + t for s in range(shard)] for r in range(rep) for t in range(tp)],
-            "tp": [[(r * shard + s) * tp + t for t in range(tp)] for r in range(rep) for s in range(shard)],
-        }
+        """The rank sets varying along each axis, in init_device_mesh's numbering (pp only
+        when the mesh has more than one stage, so plans without a pipeline read as before)."""
+        sizes = self.shape
+        strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        out = {}
+        for i, axis in enumerate(AXES):
+            if axis == "pp" and self.pp == 1:
+                continue
+            others = [range(n) for j, n in enumerate(sizes) if j != i]
+            rows = []
+            for idx in itertools.product(*others):
+                base = sum(k * strides[j] for k, j in zip(idx, [j for j in range(len(sizes)) if j != i]))
+                rows.append([base + k * strides[i] for k in range(sizes[i])])
+            out[axis] = rows
+        return out
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES)
+        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES if a != "pp" or self.pp > 1)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from .layout import ClusterLayout, Wirings, rank_placements
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
+from .pipeline import Pipeline
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
 from .sync import SyncPlan, powersgd_ratio
@@ -53,7 +54,9 @@ class StepTime:
     exposed_comm_s: float
     """The part of comm_s that compute does not hide."""
     total_s: float
-    """compute_s + exposed_comm_s."""
+    """compute_s + bubble_s + exposed_comm_s."""
+    bubble_s: float = 0.0
+    """Seconds the pipeline's slowest stage idles in its schedule's warm-up and cool-down."""
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -90,7 +93,8 @@ class Alternative:
 
 
 def _execution_to_dict(ex: Execution) -> dict[str, Any]:
-    return {f.name: (getattr(ex, f.name).to_dict() if f.name == "mesh" else list(ex.notes) if f.name == "notes"
+    return {f.name: (getattr(ex, f.name).to_dict() if f.name in ("mesh", "pipeline") and getattr(ex, f.name) is not None
+                     else list(ex.notes) if f.name == "notes"
                      else None if getattr(ex, f.name) is None
                      else str(getattr(ex, f.name)) if isinstance(getattr(ex, f.name), Choice)
                      else getattr(ex, f.name))
@@ -108,6 +112,7 @@ def _execution_from_dict(d: dict[str, Any]) -> Execution:
         compression=Compression(d["compression"]), compression_warmup_steps=int(d["compression_warmup_steps"]),
         recompute=Recompute(d["recompute"]), bucket_mb=float(d["bucket_mb"]), flat_reason=d.get("flat_reason", ""),
         notes=tuple(d.get("notes", ())),
+        pipeline=None if d.get("pipeline") is None else Pipeline.from_dict(d["pipeline"]),
     )
 
 
@@ -325,7 +330,40 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         lines.append(why)
     elif suggestion:
         lines.append(suggestion)
+    if e.execution.pipeline is not None:
+        lines += pipeline_lines(e, ctx, cl, topo)
     lines += [f"runs as: {note}" for note in e.execution.notes]
+    return lines
+
+
+def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: ClusterTopology,
+                   max_stages: int = 6) -> list[str]:
+    """The pipeline in words: schedule, bubble, point-to-point cost and link, and which blocks
+    sit on which ranks (the first and last stages when there are many)."""
+    pl, mesh = e.execution.pipeline, e.choice.mesh
+    per_stage = mesh.world_size // mesh.pp
+    g = ctx.gpus_per_node
+    inside = cl.per_node["pp"] > 1 and mesh.pp == cl.per_node["pp"]
+    link = (f"links inside a node ({cl.rings['pp'].gbps:g} GB/s at worst)" if inside
+            else f"the network ({ctx.net_gbps:g} GB/s per node)")
+    lines = [f"pipeline: {pl.schedule}, {pl.stages} stages x {pl.virtual} chunk(s) per rank, {pl.microbatches} "
+             f"micro-batches; bubble {pl.bubble:.1%} of busy time ({e.bubble_s * 1e3:.2f} ms); point-to-point "
+             f"{e.comm_parts.get('pipeline p2p', 0.0) * 1e3:.2f} ms per step between adjacent stages over {link}"]
+    shown = list(range(pl.stages)) if pl.stages <= max_stages else \
+        list(range(max_stages // 2)) + list(range(pl.stages - max_stages // 2, pl.stages))
+    for s in shown:
+        ranges = []
+        for c in pl.chunks_of(s):
+            a, b = pl.block_range(c)
+            ranges.append(f"{a}-{b - 1}" if b - a > 1 else f"{a}")
+        extra = (" + embeddings" if s == 0 else "") + (" + final norm, head (tied copy of wte) and loss"
+                                                       if s == (pl.chunks - 1) % pl.stages else "")
+        lo, hi = s * per_stage, (s + 1) * per_stage - 1
+        nodes = sorted({lo // g, hi // g})
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
+        lines.append(f"stage {s}: blocks {', '.join(ranges)}{extra}; ranks {lo}-{hi} ({where})")
+        if pl.stages > max_stages and s == max_stages // 2 - 1:
+            lines.append(f"... {pl.stages - max_stages} more stages")
     return lines
 
 
@@ -367,7 +405,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
         memory_per_rank=e.memory,
         fits=res.fits,
         reason=reason,
-        step_time=StepTime(e.compute_s, e.comm_s, e.exposed_comm_s, e.total_s),
+        step_time=StepTime(e.compute_s, e.comm_s, e.exposed_comm_s, e.total_s, e.bubble_s),
         sync=e.sync,
         # What runs is resolved once more with the concrete choices the estimate made.
         execution=execution(ctx, replace(e.choice, algorithm=e.sync.algorithm), bucket_mb=e.sync.bucket_mb),

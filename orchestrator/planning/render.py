@@ -40,6 +40,8 @@ def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
     out.append(f"  {'compute':<16}{st.compute_s * 1e3:>10.2f} ms")
     out.append(f"  {'communication':<16}{st.comm_s * 1e3:>10.2f} ms")
     out.append(f"  {'  exposed':<16}{st.exposed_comm_s * 1e3:>10.2f} ms")
+    if plan.execution.pipeline is not None:
+        out.append(f"  {'pipeline bubble':<16}{st.bubble_s * 1e3:>10.2f} ms")
     out.append(f"  {'total':<16}{st.total_s * 1e3:>10.2f} ms")
     s = plan.sync
     out.append(f"gradient sync: {s.algorithm}, bucket {s.bucket_mb:g} MB, compression {s.compression}, "
@@ -81,6 +83,21 @@ def _layout_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _stages_on(plan: Plan, node: str) -> str:
+    """` - pipeline stage(s) ...: blocks ...` for a node's ranks; '' without a pipeline."""
+    pl = plan.execution.pipeline
+    if pl is None:
+        return ""
+    per_stage = plan.world_size // pl.stages
+    stages = sorted({r.rank // per_stage for r in plan.ranks if r.node == node})
+    blocks = []
+    for s in stages:
+        for c in pl.chunks_of(s):
+            a, b = pl.block_range(c)
+            blocks.append(f"{a}-{b - 1}")
+    return f" - stage {', '.join(map(str, stages))}: blocks {', '.join(blocks)}"
+
+
 def render_svg(plan: Plan, topology: ClusterTopology) -> str:
     """Each drawn node's devices on a circle, links coloured by kind and drawn wider the faster
     they are, each rank labelled on its device and coloured by its group on the chattiest
@@ -105,7 +122,7 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
         devs = sorted(d.index for d in node.devices)
         pos = {d: (cx + rad * math.cos(2 * math.pi * k / len(devs) - math.pi / 2),
                    cy + rad * math.sin(2 * math.pi * k / len(devs) - math.pi / 2)) for k, d in enumerate(devs)}
-        parts.append(f'<text x="{cx - 30}" y="{cy + rad + 45}">{escape(name)}</text>')
+        parts.append(f'<text x="{cx - 30}" y="{cy + rad + 45}">{escape(name)}{escape(_stages_on(plan, name))}</text>')
         for l in sorted(node.links, key=lambda l: l.bandwidth_gbps):
             (x1, y1), (x2, y2) = pos[l.a], pos[l.b]
             w = 0.5 + 5 * l.bandwidth_gbps / max_bw

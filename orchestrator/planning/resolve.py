@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from ..choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from ..errors import PlanError
 from .mesh import Mesh
+from .pipeline import Pipeline
 
 DEVICE_KINDS = ("gpu", "cpu")
 # torch's PowerSGDState.start_powerSGD_iter: plain all-reduce for the first iterations while
@@ -70,6 +71,9 @@ class Execution:
     """Why a hierarchical all-reduce cannot run here ("" where it can)."""
     notes: tuple[str, ...] = ()
     """What runs differently from the request, and why (one sentence each)."""
+    pipeline: Pipeline | None = None
+    """The pipeline that runs over the mesh's pp axis (stage split, schedule, micro-batches);
+    None without one."""
 
     @property
     def world_size(self) -> int:
@@ -111,11 +115,15 @@ def resolve(
     algorithm: SyncAlgorithm | str = SyncAlgorithm.flat,
     bucket_mb: float = 25.0,
     max_steps: int = 0,
+    pipeline: Pipeline | None = None,
 ) -> Execution:
     """How `strategy` on `mesh` runs; Unsupported when it cannot run at all.
 
     `algorithm=auto` stays auto where a hierarchical all-reduce could run (the cost model then
     picks), and becomes flat where it cannot. `max_steps` sizes PowerSGD's warm-up.
+    With pp > 1, `pipeline` (from `pipeline.resolve_pipeline`) says how the stages run; FSDP2
+    then keeps gathered weights across the micro-batches (torchtitan's default with a
+    pipeline: resharding after every micro-batch's forward would all-gather m times).
     """
     if device not in DEVICE_KINDS:
         raise ValueError(f"device kind must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
@@ -127,6 +135,10 @@ def resolve(
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
     tp = mesh.tp
     notes: list[str] = []
+    if mesh.pp > 1 and (pipeline is None or pipeline.stages != mesh.pp):
+        raise ValueError(f"a mesh with pp={mesh.pp} needs a pipeline of {mesh.pp} stages, got {pipeline}")
+    if mesh.pp == 1:
+        pipeline = None
     if strategy == Strategy.ddp and mesh.dp_shard > 1:
         raise Unsupported(f"ddp does not shard: dp_shard must be 1, got {mesh.dp_shard} (use hsdp or zero*)")
 
@@ -145,6 +157,9 @@ def resolve(
 
     autocast = resolve_precision(precision, device)
     loss_scaling = autocast == Precision.fp16
+    if loss_scaling and mesh.pp > 1:
+        raise Unsupported(f"train.precision=fp16 needs loss scaling, which runs with DDP only, not with pp={mesh.pp}; "
+                          f"use train.precision=bf16")
     if loss_scaling and not (strategy == Strategy.ddp and tp == 1):
         raise Unsupported(
             f"train.precision=fp16 needs loss scaling, which runs with DDP only (tp=1), not {strategy} with tp={tp}; "
@@ -159,6 +174,9 @@ def resolve(
                      "gradients, which a low-rank all-reduce cannot express")
         compression = Compression.none
     warmup = powersgd_warmup(max_steps) if compression == Compression.powersgd else 0
+    if pipeline is not None and wrapping in (Strategy.zero3, Strategy.hsdp):
+        notes.append(f"{strategy} with pp={mesh.pp} keeps gathered weights through the step (no reshard after "
+                     f"forward): each of the {pipeline.microbatches} micro-batches would otherwise all-gather them")
 
     why_flat = ""
     if not ddp_reduces:
@@ -178,11 +196,11 @@ def resolve(
     return Execution(
         strategy=strategy, mesh=mesh, device=device, wrapping=wrapping, shard_group=shard_group, ddp_reduces=ddp_reduces,
         zero_optimizer=wrapping == Strategy.zero1,
-        reshard_after_forward=wrapping in (Strategy.zero3, Strategy.hsdp),
+        reshard_after_forward=wrapping in (Strategy.zero3, Strategy.hsdp) and pipeline is None,
         fsdp_replicates=not ddp_reduces and strategy in (Strategy.ddp, Strategy.hsdp),
         autocast=autocast, param_dtype=autocast or Precision.fp32, loss_scaling=loss_scaling,
         sync_algorithm=algorithm, compression=compression, compression_warmup_steps=warmup,
-        recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes),
+        recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes), pipeline=pipeline,
     )
 
 
@@ -193,5 +211,6 @@ def on_device(ex: Execution, device: str, precision: Precision | str, requested:
     if device == ex.device:
         return ex
     again = resolve(ex.strategy, ex.mesh, precision=precision, device=device, recompute=ex.recompute,
-                    compression=requested, algorithm=ex.sync_algorithm, bucket_mb=ex.bucket_mb, max_steps=max_steps)
+                    compression=requested, algorithm=ex.sync_algorithm, bucket_mb=ex.bucket_mb, max_steps=max_steps,
+                    pipeline=ex.pipeline)
     return replace(again, notes=again.notes + (f"planned for {ex.device} ranks, running on {device}",))

@@ -9,13 +9,14 @@ once per distinct node wiring (`layout.py`), so a thousand-node cluster costs wh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from ..choices import Compression, Recompute, Strategy, SyncAlgorithm
+from ..choices import Compression, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
-from .cost import Choice, Estimate, JobContext, estimate
+from .cost import Choice, Estimate, JobContext, compute_floor, estimate
 from .layout import ClusterLayout, Wirings, cluster_layout
 from .mesh import Mesh
+from .pipeline import schedules_for
 from .resolve import Unsupported, wrapping_of
 from .sync import COMM_BOUND_FRACTION
 
@@ -45,6 +46,9 @@ class Constraints:
     allow_compression: bool = False
     algorithm: SyncAlgorithm = SyncAlgorithm.auto
     bucket_mb: float | None = None
+    pp: int | None = None
+    pp_schedule: PipelineSchedule | None = None
+    pp_microbatches: int | None = None
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> "Constraints":
@@ -63,6 +67,9 @@ class Constraints:
             allow_compression=p.allow_compression,
             algorithm=p.sync,
             bucket_mb=None if p.bucket_mb == "auto" else float(p.bucket_mb),
+            pp=fixed(p.pp),
+            pp_schedule=fixed(p.pp_schedule),
+            pp_microbatches=fixed(p.pp_microbatches),
         )
 
     def forced(self) -> list[str]:
@@ -70,7 +77,8 @@ class Constraints:
         keys = (("parallel.strategy", self.strategy), ("parallel.tp", self.tp), ("parallel.dp_shard", self.dp_shard),
                 ("train.micro_batch_size", self.micro_batch), ("parallel.recompute", self.recompute),
                 ("parallel.compression", self.compression),
-                ("parallel.sync", None if self.algorithm == "auto" else self.algorithm))
+                ("parallel.sync", None if self.algorithm == "auto" else self.algorithm), ("parallel.pp", self.pp),
+                ("parallel.pp_schedule", self.pp_schedule), ("parallel.pp_microbatches", self.pp_microbatches))
         return [f"{k}={v}" for k, v in keys if v is not None]
 
 
@@ -103,12 +111,35 @@ _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
 
 def _simplicity(e: Estimate) -> tuple:
     c = e.choice
-    return (_SIMPLICITY[c.strategy], c.mesh.tp, RECOMPUTES.index(c.recompute), c.compression != Compression.none,
-            -c.micro_batch)
+    return (_SIMPLICITY[c.strategy], c.mesh.pp, c.virtual, c.mesh.tp, RECOMPUTES.index(c.recompute),
+            c.compression != Compression.none, -c.micro_batch)
 
 
-def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints) -> list[tuple[Mesh, str]]:
+def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints) -> list[int]:
+    """Pipeline degrees worth searching: the forced one; else 1 and, on more than one node, every
+    degree whose stages fill whole nodes (the pipeline crosses the network, tensor and data
+    parallelism keep the node's fast links) with at least one block per stage."""
+    if cons.pp:
+        return [cons.pp]
+    return [1] + [p for p in divisors(world) if 1 < p <= layers and (world // p) % g == 0 and world // p >= g
+                  and world > g]
+
+
+def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
+            layers: int = 1) -> list[tuple[Mesh, str]]:
     """(mesh, why it cannot be used or '') for every mesh of a strategy."""
+    out = []
+    for pp in pipeline_degrees(world, g, layers, cons):
+        if world % pp:
+            out.append((Mesh(world, 1, 1, pp=pp), f"parallel.pp={pp} does not divide the {world} ranks"))
+            continue
+        out += [(Mesh(m.dp_replicate, m.dp_shard, m.tp, pp=pp), bad)
+                for m, bad in _stage_meshes(strategy, world // pp, g, n_head, cons)]
+    return out
+
+
+def _stage_meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints) -> list[tuple[Mesh, str]]:
+    """(mesh, why it cannot be used or '') of the data- and tensor-parallel axes over `world` ranks."""
     tps = [cons.tp] if cons.tp else [t for t in divisors(g) if n_head % t == 0]
     out = []
     for tp in tps:
@@ -167,58 +198,84 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
     rejected: list[Rejected] = []
     layouts: dict[Mesh, ClusterLayout] = {}
     evaluated = 0
-    for strategy in strategies:
-        for mesh, bad in _meshes(strategy, world, wirings.devices_per_node, n_head, cons):
-            if bad:
-                rejected.append(Rejected(strategy, mesh, bad))
-                continue
-            dp = mesh.dp
-            if ctx.global_batch % dp:
-                rejected.append(Rejected(strategy, mesh, f"train.global_batch_size={ctx.global_batch} is not a multiple "
-                                                         f"of the data-parallel size {dp}"))
-                continue
-            if mesh not in layouts:
-                try:
-                    layouts[mesh] = cluster_layout(wirings, mesh)
-                except ValueError as e:
-                    rejected.append(Rejected(strategy, mesh, str(e)))
-                    continue
-            cl = layouts[mesh]
-            per_rank = ctx.global_batch // dp
-            if cons.micro_batch is not None and per_rank % cons.micro_batch:
-                ok = ", ".join(map(str, divisors(per_rank)))
-                rejected.append(Rejected(strategy, mesh, f"train.micro_batch_size={cons.micro_batch} does not divide the "
-                                                         f"{per_rank} sequences per data-parallel rank (train.global_batch_size="
-                                                         f"{ctx.global_batch} / {dp}); allowed: {ok}"))
-                continue
-            mbs = [cons.micro_batch] if cons.micro_batch else divisors(per_rank)
-            fitting, closest = [], None
+    fastest = math.inf
+    # Every plan without a pipeline first: the fastest of them bounds the pipelined ones.
+    cands = [(strategy, mesh, bad) for strategy in strategies
+             for mesh, bad in _meshes(strategy, world, wirings.devices_per_node, n_head, cons, ctx.shape.layers)]
+    cands.sort(key=lambda x: x[1].pp)
+    for strategy, mesh, bad in cands:
+        if bad:
+            rejected.append(Rejected(strategy, mesh, bad))
+            continue
+        if mesh.pp > 1 and cons.strategy is None and strategy in (Strategy.zero1, Strategy.zero3):
+            continue  # with a pipeline zero3 runs as zero2 (see resolve), and zero1 adds nothing to it
+        if mesh.pp > 1 and strategy == Strategy.hsdp and cons.dp_shard is None \
+                and mesh.dp_shard != wirings.devices_per_node // mesh.tp:
+            continue  # a pipeline's HSDP shards inside a node; larger groups are zero2's territory
+        if mesh.pp > 1 and ctx.global_batch % mesh.dp == 0 and min(
+                compute_floor(ctx, mesh, mb) for mb in divisors(ctx.global_batch // mesh.dp)) \
+                > fastest * (1 + NEAR_TIE):
+            continue  # its matmuls and bubble alone, at their best, take longer than a plan already found
+        dp = mesh.dp
+        if ctx.global_batch % dp:
+            rejected.append(Rejected(strategy, mesh, f"train.global_batch_size={ctx.global_batch} is not a multiple "
+                                                     f"of the data-parallel size {dp}"))
+            continue
+        if mesh not in layouts:
             try:
-                for rc in recomputes:
-                    for mb in mbs:
+                layouts[mesh] = cluster_layout(wirings, mesh)
+            except ValueError as e:
+                rejected.append(Rejected(strategy, mesh, str(e)))
+                continue
+        cl = layouts[mesh]
+        per_rank = ctx.global_batch // dp
+        if cons.micro_batch is not None and per_rank % cons.micro_batch:
+            ok = ", ".join(map(str, divisors(per_rank)))
+            rejected.append(Rejected(strategy, mesh, f"train.micro_batch_size={cons.micro_batch} does not divide the "
+                                                     f"{per_rank} sequences per data-parallel rank (train.global_batch_size="
+                                                     f"{ctx.global_batch} / {dp}); allowed: {ok}"))
+            continue
+        mbs = [cons.micro_batch] if cons.micro_batch else divisors(per_rank)
+        if cons.pp_microbatches:
+            if per_rank % cons.pp_microbatches:
+                rejected.append(Rejected(strategy, mesh, f"parallel.pp_microbatches={cons.pp_microbatches} does "
+                                                         f"not divide the {per_rank} sequences per data-parallel rank"))
+                continue
+            mbs = [mb for mb in mbs if per_rank // mb == cons.pp_microbatches]
+        if mesh.pp > 1 and not cons.pp_microbatches and cons.pp_schedule != PipelineSchedule.gpipe:
+            mbs = [mb for mb in mbs if per_rank // mb >= mesh.pp] or mbs
+        fitting, closest = [], None
+        fitted: set[int] = set()
+        try:
+            for rc in recomputes:
+                for mb in mbs:
+                    if mesh.pp > 1 and (mb in fitted or compute_floor(ctx, mesh, mb, rc) > fastest * (1 + NEAR_TIE)):
+                        continue  # less recomputation already fits (and is faster), or it cannot win
+                    for sched, v in schedules_for(mesh.pp, per_rank // mb, cons.pp_schedule, ctx.shape.layers):
                         ch = Choice(strategy, mesh, mb, rc, cons.compression or Compression.none, cons.algorithm,
-                                    cons.bucket_mb)
+                                    cons.bucket_mb, sched, v)
                         e = estimate(ctx, cl, ch)
                         evaluated += 1
                         if e.fits(ctx.usable_bytes):
                             fitting.append(e)
+                            fitted.add(mb)
                         elif closest is None or e.memory.total < closest.memory.total:
                             closest = e
-            except Unsupported as e:
-                rejected.append(Rejected(strategy, mesh, str(e)))
-                continue
-            if fitting:
-                best = _fastest(fitting)
-                if cons.compression is None and ctx.on_gpu and cons.allow_compression \
-                        and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s:
-                    tries = [estimate(ctx, cl, Choice(strategy, mesh, best.choice.micro_batch, best.choice.recompute, comp,
-                                                      cons.algorithm, cons.bucket_mb))
-                             for comp in _compressions(strategy, mesh.tp, ctx)]
-                    evaluated += len(tries)
-                    best = min([best] + [t for t in tries if t.fits(ctx.usable_bytes)], key=lambda e: e.total_s)
-                per_mesh.append((best, True, cl))
-            elif closest is not None:
-                per_mesh.append((closest, False, cl))
+        except Unsupported as e:
+            rejected.append(Rejected(strategy, mesh, str(e)))
+            continue
+        if fitting:
+            best = _fastest(fitting)
+            fastest = min(fastest, min(e.total_s for e in fitting))
+            if cons.compression is None and ctx.on_gpu and cons.allow_compression \
+                    and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s:
+                tries = [estimate(ctx, cl, replace(best.choice, compression=comp))
+                         for comp in _compressions(strategy, mesh.tp, ctx)]
+                evaluated += len(tries)
+                best = min([best] + [t for t in tries if t.fits(ctx.usable_bytes)], key=lambda e: e.total_s)
+            per_mesh.append((best, True, cl))
+        elif closest is not None:
+            per_mesh.append((closest, False, cl))
     if not per_mesh:
         return SearchResult(best=None, layout=None, fits=False, rejected=rejected, evaluated=evaluated)
     fit = [x for x in per_mesh if x[1]]

@@ -1,0 +1,215 @@
+"""Pipeline parallelism as it runs: the stage split, the schedule's bubble, per-stage memory.
+
+`Pipeline` is the one statement of how a pipeline runs (resolved once by `resolve_pipeline`,
+priced by the cost and memory models, executed by `runtime/pipeline.py`):
+
+- **Split.** The blocks are cut into p*v contiguous chunks (v virtual stages per rank under
+  the interleaved schedule; chunk c runs on stage c mod p, torch's "loop" placement). The first
+  chunk also holds the token and position embeddings, the last the final LayerNorm, the
+  (tied) output head and the loss. Chunks are balanced by cost, counted in blocks: the head
+  costs 2 h V FLOPs per token forward, a block 24 h^2 + 4 s h, so the last chunk gets fewer
+  blocks when V is large.
+- **Bubble.** Over m micro-batches a pipeline of p stages idles (p-1)/m of its busy time
+  under GPipe and 1F1B (Narayanan et al. 2021 Sec. 2.2), (p-1)/(v m) under interleaved 1F1B.
+  Zero-bubble schedules (Qi et al. 2023) split backward into input and weight gradients and
+  fill most of the warm-up and cool-down with weight gradients; torch's interleaved
+  zero-bubble schedule is priced at a third of interleaved 1F1B's bubble, the ZB-H1 figure.
+- **Activations in flight.** GPipe keeps all m micro-batches' activations until the flush;
+  1F1B keeps at most p - i on stage i (the first stage p, Narayanan Sec. 2.2.1); interleaved
+  1F1B's first stage keeps about p (1 + (p-1)/(p v)) chunks' worth of micro-batches
+  (Korthikanti et al. 2022 Sec. 4.2.3), and the zero-bubble schedule as much as 1F1B.
+- **Tied weights.** The GPT ties lm_head to wte. With p > 1 the first and last stages each keep
+  a copy, and the runtime all-reduces the tied gradient between them (Megatron's way): each
+  copy is counted in its stage's memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from ..choices import PipelineSchedule
+from .model_math import ModelShape
+
+# ZB-H1's bubble relative to 1F1B's (Qi et al. 2023, Sec. 3): about a third.
+ZERO_BUBBLE_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How one pipeline runs: degree, schedule, micro-batches and the blocks of every chunk."""
+
+    stages: int
+    """p: pipeline ranks (the mesh's pp axis)."""
+    schedule: PipelineSchedule
+    microbatches: int
+    """m: micro-batches each pipeline runs per optimizer step."""
+    virtual: int
+    """v: chunks per rank (1 except under the interleaved schedules)."""
+    layers: tuple[int, ...]
+    """Blocks of each of the p*v chunks, in model order; chunk c runs on stage c mod p."""
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.virtual < 1 or self.microbatches < 1:
+            raise ValueError(f"a pipeline needs positive stages, virtual stages and micro-batches, got "
+                             f"p={self.stages}, v={self.virtual}, m={self.microbatches}")
+        if len(self.layers) != self.stages * self.virtual:
+            raise ValueError(f"{self.stages} stages x {self.virtual} virtual stages need {self.stages * self.virtual} "
+                             f"chunks, got {len(self.layers)}")
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The chunk indices stage `stage` runs (torch's loop placement: c mod p)."""
+        return tuple(range(stage, self.chunks, self.stages))
+
+    def block_range(self, chunk: int) -> tuple[int, int]:
+        """[first, last) block index of a chunk."""
+        start = sum(self.layers[:chunk])
+        return start, start + self.layers[chunk]
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over busy time of one step: (p-1)/(v m), a third of it under zero bubble."""
+        return bubble_fraction(self.schedule, self.stages, self.microbatches, self.virtual)
+
+    def in_flight(self, stage: int) -> float:
+        """Micro-batches whose activations (of all this rank's chunks) stage `stage` holds at its peak."""
+        p, m, v = self.stages, self.microbatches, self.virtual
+        if self.schedule == PipelineSchedule.gpipe or p == 1:
+            return float(m) if p > 1 else 1.0
+        warm = p - stage
+        if v > 1:
+            warm = warm * (1 + (p - 1) / (p * v)) if stage == 0 else warm
+        return float(min(m, warm))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["schedule"], d["layers"] = str(self.schedule), list(self.layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Pipeline":
+        return cls(stages=int(d["stages"]), schedule=PipelineSchedule(d["schedule"]),
+                   microbatches=int(d["microbatches"]), virtual=int(d["virtual"]),
+                   layers=tuple(int(x) for x in d["layers"]))
+
+
+def bubble_fraction(schedule: PipelineSchedule | str, p: int, m: int, v: int = 1) -> float:
+    """(p-1)/(v m) of the busy time; GPipe and 1F1B have v = 1."""
+    schedule = PipelineSchedule(schedule)
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"p, m and v must be positive, got p={p}, m={m}, v={v}")
+    if schedule in (PipelineSchedule.gpipe, PipelineSchedule.one_f_one_b) and v != 1:
+        raise ValueError(f"{schedule} has one chunk per rank, got v={v}")
+    base = (p - 1) / (v * m)
+    return base * ZERO_BUBBLE_SHARE if schedule == PipelineSchedule.zero_bubble else base
+
+
+def head_cost_in_blocks(shape: ModelShape) -> float:
+    """The output head's (and loss's) forward FLOPs per token in units of one block's."""
+    h, s = shape.hidden, shape.seq
+    return 2 * h * shape.vocab / (24 * h * h + 4 * s * h)
+
+
+@lru_cache(maxsize=4096)
+def split_layers(shape: ModelShape, chunks: int) -> tuple[int, ...]:
+    """Blocks per chunk, contiguous, balanced by cost: the last chunk carries the head, so it
+    gets fewer blocks where the head is heavy. Every chunk holds at least one block."""
+    n = shape.layers
+    if chunks < 1 or chunks > n:
+        raise ValueError(f"{n} blocks cannot be cut into {chunks} chunks of at least one block")
+    if chunks == 1:
+        return (n,)
+    head = head_cost_in_blocks(shape)
+    # Smallest bottleneck over the last chunk's block count k; the rest split evenly.
+    best = None
+    for k in range(1, n - chunks + 2):
+        rest = n - k
+        per = math.ceil(rest / (chunks - 1))
+        worst = max(per, k + head)
+        if best is None or worst < best[0]:
+            best = (worst, k)
+    k = best[1]
+    rest, others = n - k, chunks - 1
+    # The remainder goes to the later chunks: the first one also holds the embeddings.
+    base, extra = divmod(rest, others)
+    return tuple(base + (1 if i >= others - extra else 0) for i in range(others)) + (k,)
+
+
+def schedules_for(p: int, m: int, forced: PipelineSchedule | None, layers: int,
+                  max_virtual: int = 2) -> list[tuple[PipelineSchedule, int]]:
+    """(schedule, v) worth pricing for p stages and m micro-batches: 1F1B, and interleaved 1F1B
+    with v = 2..max_virtual where the blocks allow p*v chunks and p divides m (torch's interleaved
+    schedules run micro-batches in rounds of p). A forced schedule is priced alone."""
+    if p == 1:
+        return [(PipelineSchedule.one_f_one_b, 1)]
+    interleaved = [v for v in range(2, max_virtual + 1) if p * v <= layers and m % p == 0]
+    if forced in (PipelineSchedule.gpipe, PipelineSchedule.one_f_one_b):
+        return [(forced, 1)]
+    if forced in (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zero_bubble):
+        vs = interleaved or ([2] if 2 * p <= layers else [])
+        return [(forced, v) for v in vs[:1 if forced == PipelineSchedule.zero_bubble else None]]
+    return [(PipelineSchedule.one_f_one_b, 1)] + [(PipelineSchedule.interleaved_1f1b, v) for v in interleaved]
+
+
+@lru_cache(maxsize=4096)
+def resolve_pipeline(shape: ModelShape, stages: int, schedule: PipelineSchedule | str, microbatches: int,
+                     virtual: int = 1) -> Pipeline:
+    """The pipeline that runs: the split of the blocks over p*v chunks; ValueError stating the
+    invariant when it cannot run."""
+    schedule = PipelineSchedule(schedule)
+    if schedule == PipelineSchedule.auto:
+        raise ValueError("resolve_pipeline takes a concrete schedule; `auto` is the planner's to decide")
+    if stages == 1:
+        return Pipeline(1, PipelineSchedule.one_f_one_b, microbatches, 1, (shape.layers,))
+    if microbatches < stages and schedule != PipelineSchedule.gpipe:
+        raise ValueError(f"{schedule} needs at least as many micro-batches as stages: m={microbatches} < p={stages}")
+    if stages * virtual > shape.layers:
+        raise ValueError(f"{stages} stages x {virtual} virtual stages exceed the {shape.layers} blocks")
+    return Pipeline(stages, schedule, microbatches, virtual, split_layers(shape, stages * virtual))
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank holds of the model."""
+
+    blocks: int
+    """Blocks over all of the rank's chunks."""
+    root: int
+    """Parameters outside the blocks it holds: the embeddings on the first stage; the final
+    LayerNorm and the head on the last (the tied head a copy of wte when p > 1)."""
+    first: bool
+    last: bool
+
+
+@lru_cache(maxsize=65536)
+def stage_share(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> StageShare:
+    """The blocks and non-block parameters of pipeline rank `stage` (the whole model without a pipeline)."""
+    h = shape.hidden
+    norm = 2 * h if shape.bias else h
+    if pipeline is None or pipeline.stages == 1:
+        return StageShare(shape.layers, (shape.vocab + shape.seq) * h + norm, True, True)
+    if not 0 <= stage < pipeline.stages:
+        raise ValueError(f"stage must be in [0, {pipeline.stages}), got {stage}")
+    blocks = sum(pipeline.layers[c] for c in pipeline.chunks_of(stage))
+    first, last = stage == 0, stage == (pipeline.chunks - 1) % pipeline.stages
+    root = (shape.vocab + shape.seq) * h * first + (norm + shape.vocab * h) * last
+    return StageShare(blocks, root, first, last)
+
+
+def stage_cost(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> float:
+    """Forward FLOPs of a rank's chunks in blocks (the head counted by `head_cost_in_blocks`)."""
+    share = stage_share(shape, pipeline, stage)
+    return share.blocks + (head_cost_in_blocks(shape) if share.last else 0.0)
+
+
+@lru_cache(maxsize=4096)
+def slowest_stage(shape: ModelShape, pipeline: Pipeline | None) -> int:
+    """The pipeline rank with the most work: it sets the pipeline's pace."""
+    if pipeline is None:
+        return 0
+    return max(range(pipeline.stages), key=lambda s: stage_cost(shape, pipeline, s))

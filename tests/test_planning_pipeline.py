@@ -1,0 +1,190 @@
+"""Pipeline parallelism in the planner: bubble, stage split, per-stage memory, placement, and
+the Narayanan et al. 2021 (PTD-P) Table 1 oracle on DGX A100 clusters."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.choices import PipelineSchedule
+from orchestrator.config import load_config
+from orchestrator.planning import plan_job
+from orchestrator.planning.cost import Choice, estimate
+from orchestrator.planning.describe import describe_cluster
+from orchestrator.planning.layout import Wirings, cluster_layout, in_node_shape
+from orchestrator.planning.memory import rank_memory
+from orchestrator.planning.mesh import Mesh
+from orchestrator.planning.model_math import ModelShape, flops_per_step
+from orchestrator.planning.pipeline import (
+    bubble_fraction,
+    head_cost_in_blocks,
+    resolve_pipeline,
+    split_layers,
+    stage_share,
+)
+from orchestrator.planning.plan import Plan, job_context
+from orchestrator.topology.files import load_topology_file
+from orchestrator.topology.model import Network
+
+A100_CAPTURE = "conf/topologies/a100-8gpu-nvswitch.txt"
+GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
+
+
+def dgx_a100(nodes: int):
+    node = load_topology_file(A100_CAPTURE, "A100")
+    return describe_cluster(node, nodes, Network(bandwidth_gbps=200.0, latency_us=3.0, source="config"), "A100")
+
+
+def test_bubble_is_narayanans_and_shrinks_with_microbatches_and_chunks():
+    assert bubble_fraction("1f1b", 8, 64) == pytest.approx(7 / 64)
+    assert bubble_fraction("gpipe", 8, 64) == pytest.approx(7 / 64)
+    assert bubble_fraction("interleaved_1f1b", 8, 64, 4) == pytest.approx(7 / 256)
+    assert bubble_fraction("zero_bubble", 8, 64, 2) < bubble_fraction("interleaved_1f1b", 8, 64, 2)
+    series = [bubble_fraction("1f1b", 4, m) for m in (4, 8, 16, 32)]
+    assert series == sorted(series, reverse=True) and series[-1] < series[0] / 4
+    assert bubble_fraction("1f1b", 1, 3) == 0.0
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        bubble_fraction("1f1b", 4, 8, 2)
+
+
+def test_stage_split_covers_every_block_and_lightens_the_head_stage():
+    for chunks in (1, 2, 5, 8, 16, 96):
+        split = split_layers(GPT3, chunks)
+        assert sum(split) == 96 and len(split) == chunks and min(split) >= 1
+    small_vocab = ModelShape(layers=8, hidden=64, heads=4, vocab=50000, seq=32)
+    assert head_cost_in_blocks(small_vocab) > 1
+    split = split_layers(small_vocab, 4)
+    assert split[-1] < split[0]  # the head is worth more than a block: the last stage gets fewer
+    assert sum(split) == 8
+
+
+def test_tied_head_is_kept_on_both_the_first_and_the_last_stage():
+    pl = resolve_pipeline(GPT3, 4, "1f1b", 8)
+    first, mid, last = (stage_share(GPT3, pl, s) for s in (0, 1, 3))
+    h, v, s = GPT3.hidden, GPT3.vocab, GPT3.seq
+    assert first.root == (v + s) * h and mid.root == 0 and last.root == 2 * h + v * h
+    assert sum(stage_share(GPT3, pl, k).blocks for k in range(4)) == 96
+    # Interleaved: chunk c on stage c mod p, each rank runs v chunks.
+    il = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 8, 2)
+    assert il.chunks_of(1) == (1, 5) and sum(il.layers) == 96
+
+
+def test_first_stage_holds_p_microbatches_under_1f1b_and_all_under_gpipe():
+    p, m = 4, 16
+    one = resolve_pipeline(GPT3, p, "1f1b", m)
+    assert [one.in_flight(s) for s in range(p)] == [4, 3, 2, 1]
+    assert resolve_pipeline(GPT3, p, "gpipe", m).in_flight(2) == m
+    il = resolve_pipeline(GPT3, p, "interleaved_1f1b", m, 2)
+    assert il.in_flight(0) > one.in_flight(0)
+
+
+def test_per_stage_memory_first_stage_activations_and_uneven_states():
+    from orchestrator.planning.memory import byte_layout
+
+    lay = byte_layout("bf16")
+    pl = resolve_pipeline(GPT3, 8, "1f1b", 32)
+    mem = [rank_memory("ddp", GPT3, 8, 1, 1, "full", lay, 0.0, True, stage_share(GPT3, pl, s), pl.in_flight(s))
+           for s in range(8)]
+    whole = rank_memory("ddp", GPT3, 8, 1, 1, "full", lay, 0.0, True)
+    # Model states split across stages: each stage keeps far less than the whole model.
+    assert max(m.params for m in mem) < whole.params / 4
+    # The first stage keeps 8 micro-batches of its blocks' activations, a middle stage fewer.
+    assert mem[0].activations > mem[4].activations
+    # The fp32 logits and their gradient sit on the last stage only.
+    logits = 8 * 1 * GPT3.seq * GPT3.vocab / 8
+    assert mem[7].activations > logits > mem[6].activations - mem[5].activations
+    # Embeddings on the first stage, the tied head on the last: both heavier than a middle one.
+    assert mem[0].params > mem[3].params and mem[7].params > mem[3].params
+
+
+def test_p2p_is_priced_on_the_network_between_nodes():
+    topo = dgx_a100(4)
+    cfg = load_config(None, ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", "model.vocab_size=51200",
+                             "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16"])
+    ctx = job_context(cfg, topo)
+    w = Wirings.of(topo)
+    mesh = Mesh(1, 4, 2, pp=4)
+    cl = cluster_layout(w, mesh)
+    assert cl.per_node["pp"] == 1  # each stage fills a node: the pipeline crosses the network
+    e = estimate(ctx, cl, Choice("zero2", mesh, 1, "full", pp_schedule=PipelineSchedule.one_f_one_b))
+    send = 2048 * 4096 * 2 / (200e9 / 8)  # one activation over one GPU's share of the node's NICs
+    m = 64 // 4
+    assert e.comm_parts["pipeline p2p"] == pytest.approx(2 * m * send, rel=0.05)
+    assert e.bubble_s > 0 and e.total_s > e.compute_s + e.bubble_s
+
+
+def test_pipeline_never_sits_inside_an_nvlink_island_while_a_slower_link_crosses_nodes():
+    topo = dgx_a100(4)
+    cfg = load_config(None, ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", "model.vocab_size=51200",
+                             "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16"])
+    w = Wirings.of(topo)
+    from orchestrator.planning.search import Constraints, _meshes
+
+    ctx = job_context(cfg, topo)
+    for strategy in ("zero2", "hsdp", "ddp"):
+        for mesh, bad in _meshes(strategy, 32, 8, 32, Constraints(), ctx.shape.layers):
+            if bad or mesh.pp == 1:
+                continue
+            cl = cluster_layout(w, mesh)
+            crossing = [a for a in ("dp_replicate", "dp_shard", "tp") if mesh.size(a) > cl.per_node[a]]
+            assert cl.per_node["pp"] == 1 or not crossing, (mesh, cl.per_node)
+    # A forced pipeline with two stages per node: neighbours on a node talk over NVSwitch.
+    cl = cluster_layout(w, Mesh(1, 1, 4, pp=8))
+    assert cl.per_node["pp"] == 2 and cl.rings["pp"].gbps > 200.0 / 8
+    with pytest.raises(ValueError, match="pipeline stage"):
+        in_node_shape(Mesh(1, 3, 1, pp=2), 8)
+
+
+def test_pp_plan_round_trips_through_plan_json_and_names_the_axis():
+    topo = dgx_a100(2)
+    cfg = load_config(None, ["model.n_layer=8", "model.n_head=16", "model.n_embd=1024", "model.block_size=512",
+                             "train.global_batch_size=32", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                             "parallel.pp_microbatches=8"])
+    plan = plan_job(cfg, topo)
+    assert plan.mesh.pp == 2 and plan.execution.pipeline.microbatches == 8
+    assert plan.execution.pipeline.schedule == PipelineSchedule.one_f_one_b
+    assert plan.groups["pp"][0] == [0, 8]
+    d = plan.to_dict()
+    assert d["mesh"]["pp"] == 2 and d["execution"]["pipeline"]["layers"] == [4, 4]
+    again = Plan.from_dict(d)
+    assert again.execution.pipeline == plan.execution.pipeline
+    assert any("stage 0" in line and "ranks" in line for line in plan.explanation)
+    assert any("bubble" in line for line in plan.explanation)
+
+
+# Narayanan et al. 2021 Table 1: (billions, a, h, l, t, p, GPUs, batch, measured TFLOP/s per GPU).
+TABLE_1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def _model(row) -> list[str]:
+    _, a, h, l, _, _, _, batch, _ = row
+    return [f"model.n_layer={l}", f"model.n_head={a}", f"model.n_embd={h}", "model.vocab_size=51200",
+            "model.block_size=2048", f"train.global_batch_size={batch}", "train.precision=bf16"]
+
+
+@pytest.mark.parametrize("row", [TABLE_1[0], TABLE_1[5], TABLE_1[6], TABLE_1[8]], ids=lambda r: f"{r[0]}B")
+def test_narayanan_table_1_predicted_throughput_at_the_papers_t_and_p(row):
+    _, a, h, l, t, p, gpus, batch, measured = row
+    topo = dgx_a100(gpus // 8)
+    # The paper recomputes every block, and counts the recomputation in its FLOPs (Eq. 3).
+    plan = plan_job(load_config(None, _model(row) + [f"parallel.tp={t}", f"parallel.pp={p}",
+                                                     "parallel.recompute=full"]), topo)
+    assert plan.fits and plan.mesh.tp == t and plan.mesh.pp == p
+    shape = ModelShape(layers=l, hidden=h, heads=a, vocab=51200, seq=2048)
+    predicted = flops_per_step(shape, batch, "full") / plan.step_time.total_s / gpus / 1e12
+    assert abs(predicted / measured - 1) <= 0.30, predicted
+    auto = plan_job(load_config(None, _model(row)), topo)
+    assert auto.fits and auto.step_time.total_s <= plan.step_time.total_s * 1.0001
+
+
+def test_145b_on_1536_a100s_chooses_a_pipeline_over_wide_sharding():
+    row = TABLE_1[6]
+    plan = plan_job(load_config(None, _model(row)), dgx_a100(192))
+    assert plan.mesh.pp > 1, plan.mesh
+    # Tensor parallelism stays on NVSwitch, the pipeline crosses nodes.
+    assert 8 % plan.mesh.tp == 0 and plan.world_size // plan.mesh.pp % 8 == 0
