@@ -43,7 +43,7 @@ def cluster(gpus: int) -> ClusterTopology:
 def overrides(row, forced: bool) -> list[str]:
     _, a, h, l, t, p, _, batch, _ = row
     out = [f"model.n_layer={l}", f"model.n_head={a}", f"model.n_embd={h}", "model.vocab_size=51200",
-           "model.block_size=2048", f"train.global_batch_size={batch}", "train.precision=bf16"]
+           "model.block_size=2048", f"train.global_batch_size={batch}", "train.precision=bf16", "parallel.pp=auto"]
     # The paper's runs recompute every block (its FLOP counts include the recomputation).
     return out + ([f"parallel.tp={t}", f"parallel.pp={p}", "parallel.recompute=full"] if forced else [])
 

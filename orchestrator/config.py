@@ -97,8 +97,9 @@ class ParallelConfig:
     """Tensor-parallel degree (inside an NVLink domain); `auto` lets the planner choose."""
     dp_shard: Union[int, str] = "auto"
     """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
-    pp: Union[int, str] = "auto"
-    """Pipeline stages (the outermost mesh axis, across the slowest links); `auto` to plan."""
+    pp: Union[int, str] = 1
+    """Pipeline stages (the outermost mesh axis, across the slowest links); `auto` to plan.
+    1 by default: the trainer does not run pipelines yet (`runtime/pipeline.py` has the stages)."""
     pp_schedule: PipelineSchedule = PipelineSchedule.auto
     """Pipeline schedule: `auto`, `gpipe`, `1f1b`, `interleaved_1f1b` or `zero_bubble`
     (torch's interleaved zero-bubble schedule)."""

@@ -115,13 +115,14 @@ def test_p2p_is_priced_on_the_network_between_nodes():
 def test_pipeline_never_sits_inside_an_nvlink_island_while_a_slower_link_crosses_nodes():
     topo = dgx_a100(4)
     cfg = load_config(None, ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", "model.vocab_size=51200",
-                             "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16"])
+                             "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16",
+                             "parallel.pp=auto"])
     w = Wirings.of(topo)
     from orchestrator.planning.search import Constraints, _meshes
 
     ctx = job_context(cfg, topo)
     for strategy in ("zero2", "hsdp", "ddp"):
-        for mesh, bad in _meshes(strategy, 32, 8, 32, Constraints(), ctx.shape.layers):
+        for mesh, bad in _meshes(strategy, 32, 8, 32, Constraints.from_config(cfg), ctx.shape.layers):
             if bad or mesh.pp == 1:
                 continue
             cl = cluster_layout(w, mesh)
@@ -164,7 +165,7 @@ TABLE_1 = [
 def _model(row) -> list[str]:
     _, a, h, l, _, _, _, batch, _ = row
     return [f"model.n_layer={l}", f"model.n_head={a}", f"model.n_embd={h}", "model.vocab_size=51200",
-            "model.block_size=2048", f"train.global_batch_size={batch}", "train.precision=bf16"]
+            "model.block_size=2048", f"train.global_batch_size={batch}", "train.precision=bf16", "parallel.pp=auto"]
 
 
 @pytest.mark.parametrize("row", [TABLE_1[0], TABLE_1[5], TABLE_1[6], TABLE_1[8]], ids=lambda r: f"{r[0]}B")

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.choices import Recompute
+from orchestrator.errors import PlanError
 from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
@@ -67,6 +68,9 @@ def build_mesh(mesh: Mesh, device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     if mesh.world_size != world:
         raise RuntimeError(f"the mesh {mesh} covers {mesh.world_size} ranks but the process group has {world}")
+    if mesh.pp > 1:
+        raise PlanError(f"parallel.pp={mesh.pp}: the trainer does not run pipelines yet; use parallel.pp=1 "
+                        f"(`plan` prices pipelines, runtime/pipeline.py builds their stages)")
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES)
 
 
