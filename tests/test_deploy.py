@@ -120,7 +120,8 @@ def _ray_accepts(labels: dict[str, str]) -> dict[str, str]:
     ("topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", 8, 2, 2),
     ("topo_4gpu_pcie_pxb_pix_nccl667.txt", 4, 0, 0),
     ("nccl_xml_aws_p5.48xl-topo.xml", 8, 0, 32),
-    ("nccl_xml_aws_p4d-24xl-topo.xml", 8, 0, 4),
+    # p4d's XML has no NVLink, but its PCI device id names the A100 SXM4, an NVSwitch part
+    ("nccl_xml_aws_p4d-24xl-topo.xml", 8, 8, 4),
 ])
 def test_labels_of_real_captures(fixture, gpus, domain_size, rails):
     node = load_topology_file(FIXTURES / fixture)
