@@ -68,7 +68,8 @@ def _normalise(address: str) -> str:
     if "://" not in address:
         address = f"http://{address}"
     if not address.startswith(("http://", "https://")):
-        raise RemoteError(f"--address {address}: expected the dashboard's http(s)://HOST:8265, not a Ray GCS or ray:// address")
+        raise RemoteError(
+            f"--address {address}: expected the dashboard's http(s)://HOST:8265, not a Ray GCS or ray:// address")
     return address
 
 
@@ -113,9 +114,11 @@ def _translate(e: Exception, address: str, job_id: str | None = None) -> RemoteE
     if isinstance(e, AuthenticationError) or "Authentication required" in text or "status code 401" in text:
         return _auth_advice(address, "requires authentication")
     if job_id is not None and ("does not exist" in text or "status code 404" in text):
-        return RemoteError(f"no job '{job_id}' on the Ray cluster at {address}; `status --address {address}` lists them")
+        return RemoteError(
+            f"no job '{job_id}' on the Ray cluster at {address}; `status --address {address}` lists them")
     if isinstance(e, ConnectionError) or "Failed to connect" in text or "Connection refused" in text:
-        return RemoteError(f"cannot reach a Ray dashboard at {address}: is the cluster up and its dashboard port reachable?")
+        return RemoteError(
+            f"cannot reach a Ray dashboard at {address}: is the cluster up and its dashboard port reachable?")
     return RemoteError(f"Ray cluster at {address}: {_first_line(e)}")
 
 
@@ -123,9 +126,19 @@ def client(address: str) -> Any:
     """A JobSubmissionClient for `address`, authenticated when a token is configured."""
     from ray.job_submission import JobSubmissionClient
 
+    from .reach import ClusterUnreachable, check_dashboard
+
     address = _normalise(address)
+    headers = auth_headers()
+    # The SDK would wait on a port that never answers; ask once, briefly, first.
     try:
-        return JobSubmissionClient(address, headers=auth_headers())
+        refused = check_dashboard(address, headers)
+    except ClusterUnreachable as e:
+        raise RemoteError(str(e)) from None
+    if refused:
+        raise _auth_advice(address, "refused the token" if headers else "requires authentication")
+    try:
+        return JobSubmissionClient(address, headers=headers)
     except RemoteError:
         raise
     except Exception as e:  # the constructor already asks the cluster for its version

@@ -250,6 +250,22 @@ def test_wrong_or_missing_token_is_refused_with_advice(cluster, monkeypatch):
         shutil.rmtree(home, ignore_errors=True)
 
 
+def test_submit_with_a_wrong_token_is_one_line_within_seconds(cluster):
+    home = Path(tempfile.mkdtemp(prefix="orx-home-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_TOKEN="0" * 64, HOME=str(home))
+    try:
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", "--address", cluster.dashboard],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if l.strip()]
+    assert p.returncode == 2 and took < 15 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: Ray cluster at {cluster.dashboard} refused the token")
+
+
 def test_metrics_exported_with_tags_then_stop_ends_job(authed):
     from orchestrator.remote import client, job_logs, job_status, stop_job
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         from ..cluster import connect
         from ..topology.cluster_probe import probe_cluster
 
-        with connect(args.address):
+        with connect(args.address, name="--address"):
             cluster = probe_cluster(measure=args.measure)
 
     from ..topology.render import render_svg, render_text
