@@ -256,8 +256,9 @@ def test_submit_with_a_wrong_token_is_one_line_within_seconds(cluster):
     env.update(RAY_AUTH_TOKEN="0" * 64, HOME=str(home))
     try:
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", "--address", cluster.dashboard],
-                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", "--address", cluster.dashboard],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
         took = time.monotonic() - t0
     finally:
         shutil.rmtree(home, ignore_errors=True)
