@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from .signals import exit_code
+
+        # Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), as shells report them.
+        code = exit_code(e)
+        print("stopped (SIGTERM)" if code == 143 else "interrupted", file=sys.stderr)
+        return code

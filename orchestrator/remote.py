@@ -160,14 +160,16 @@ def shipped_dir(cwd: Path | None = None) -> Path:
     return cwd
 
 
-def entrypoint(job_rel: str, overrides: list[str]) -> str:
+def entrypoint(job_rel: str, overrides: list[str], verbose: bool = False) -> str:
     """The command the cluster runs: the local `submit`, joined to the cluster it runs on."""
     kept = [o for o in overrides if not o.startswith("cluster.address=")]
     args = ["python", "-m", "orchestrator", "submit", job_rel, *kept, "cluster.address=auto"]
+    if verbose:
+        args.append("--verbose")
     return shlex.join(args)
 
 
-def submit_remote(address: str, job_file: str, overrides: list[str]) -> str:
+def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bool = False) -> str:
     """Submit `job_file` with `overrides` as a Ray job on the cluster at `address`; return its id.
 
     The config is loaded here first, so a bad key fails on this machine in a second rather
@@ -188,7 +190,7 @@ def submit_remote(address: str, job_file: str, overrides: list[str]) -> str:
     c = client(address)
     try:
         return c.submit_job(
-            entrypoint=entrypoint(job_rel, list(overrides)),
+            entrypoint=entrypoint(job_rel, list(overrides), verbose),
             submission_id=submission_id,
             runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
             metadata={"orchestrator_job": cfg.name},

@@ -14,6 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "the driver then runs on the cluster (see `status`, `logs`, `stop`)",
     )
     p.add_argument(
+        "--verbose", action="store_true",
+        help="show every line the workers print, live (they are always in RUN_DIR/logs/rank-N.log); "
+             "without it the console shows worker errors and the first of each distinct warning",
+    )
+    p.add_argument(
         "--resume", metavar="RUN_DIR",
         help="continue from the latest whole checkpoint of an earlier run (its directory is only read)",
     )
@@ -38,17 +43,6 @@ def resume_checkpoint(run_dir: str) -> str:
     raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root / 'checkpoints'}")
 
 
-def _stop_on_sigterm() -> None:
-    """`stop` (and schedulers) end the driver with SIGTERM: turn it into KeyboardInterrupt so
-    the driver's cleanup runs (actors and placement group released, run directory closed)."""
-    import signal
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -59,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             from ..errors import ConfigError
 
             raise ConfigError("--resume reads a local run directory; with --address, resume on the cluster instead")
-        job_id = submit_remote(args.address, args.job, args.overrides)
+        job_id = submit_remote(args.address, args.job, args.overrides, verbose=args.verbose)
         print(f"submitted {job_id} to {args.address}")
         print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
         return 0
@@ -67,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster import connect
     from ..config import load_config
     from ..rundir import RunDir
-    from ..runtime.driver import run_job
+    from ..signals import stop_on_sigterm
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
     resume = resume_checkpoint(args.resume) if args.resume else None
     if resume:
@@ -87,7 +81,37 @@ def run(args: argparse.Namespace) -> int:
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
+        stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
         console.print(f"run directory: {run_dir.path}", markup=False)
-        run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
+        from ..runtime.worker_logs import WorkerLogs
+
+        with WorkerLogs(run_dir, console, verbose=args.verbose):
+            _run_until_stopped(cfg, run_dir, console, dashboard_url, resume)
     return 0
+
+
+def _run_until_stopped(cfg, run_dir, console, dashboard_url: str | None, resume: str | None) -> None:
+    """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
+    driver has released its actors and placement group by then)."""
+    import time
+
+    from ..runtime.driver import run_job
+    from ..runtime.stopped import stopped_summary
+    from ..signals import signal_name
+
+    t0 = time.monotonic()
+    try:
+        run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
+    except KeyboardInterrupt as e:
+        name = signal_name(e)
+        summary = stopped_summary(cfg, run_dir, name, time.monotonic() - t0, resume)
+        run_dir.write_json("summary.json", summary)
+        said = f"stopped by {name} at step {summary['steps']}/{cfg.train.max_steps}; "
+        if summary["checkpoints"]:
+            said += (f"last checkpoint {summary['checkpoints'][-1]}; continue with "
+                     f"`python -m orchestrator submit JOB --resume {run_dir.path}`")
+        else:
+            said += "no checkpoint was committed yet"
+        console.print(said, markup=False)
+        raise
