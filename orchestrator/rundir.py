@@ -8,6 +8,7 @@
         metrics.jsonl    one JSON line per optimizer step
         summary.json     the outcome, with the plan's predictions beside the measurements
         loss.svg         the loss curve
+        logs/            rank-N.log (what rank N printed), ray.log (Ray's own processes)
         checkpoints/     committed DCP checkpoints (step_NNNNNNNN/)
 """
 
