@@ -96,3 +96,11 @@ def test_xml_and_topo_matrix_of_one_machine_merge(capsys):
     assert code == 2 and "8 and 4 GPUs" in err and len(err.strip().splitlines()) == 1
     code, _, err = _run(capsys, "probe", "--from", P5, "--from", P4D)
     assert code == 2 and "xml and xml" in err
+
+
+def test_the_aws_p4d_shape_plans_from_aws_xml_on_the_nvswitch(capsys, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: p4d\ndefaults: [cluster/aws-p4d]\n")
+    code, out, err = _run(capsys, "plan", str(job), "--json")
+    assert code == 0 and json.loads(out)["world_size"] == 8
+    assert "aws-p4d-24xl-nccl.xml" in err and "NVIDIA A100-SXM4-40GB (given) ships on NVSwitch boards" in err
