@@ -49,7 +49,8 @@ def connect(
         from .reach import check_gcs
 
         # A cluster that is not there answers in seconds here, not after Ray's minutes of retries.
-        kwargs.update(address=check_gcs(address, name))
+        # (A ray:// client address is Ray Client's to check.)
+        kwargs.update(address=address if "://" in address else check_gcs(address, name))
     try:
         ctx = ray.init(**kwargs)
     except ConnectionError as e:
