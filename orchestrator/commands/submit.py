@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster import connect
     from ..config import load_config
     from ..rundir import RunDir
+    from ..runtime.worker_logs import WorkerLogs
     from ..signals import stop_on_sigterm
 
     stop_on_sigterm()
@@ -80,18 +81,16 @@ def run(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
-        # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
+        # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
         console.print(f"run directory: {run_dir.path}", markup=False)
-        from ..runtime.worker_logs import WorkerLogs
-
         with WorkerLogs(run_dir, console, verbose=args.verbose):
-            _run_until_stopped(cfg, run_dir, console, dashboard_url, resume)
+            _run_until_stopped(cfg, args.job, run_dir, console, dashboard_url, resume)
     return 0
 
 
-def _run_until_stopped(cfg, run_dir, console, dashboard_url: str | None, resume: str | None) -> None:
+def _run_until_stopped(cfg, job: str, run_dir, console, dashboard_url: str | None, resume: str | None) -> None:
     """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
     driver has released its actors and placement group by then)."""
     import time
@@ -110,7 +109,7 @@ def _run_until_stopped(cfg, run_dir, console, dashboard_url: str | None, resume:
         said = f"stopped by {name} at step {summary['steps']}/{cfg.train.max_steps}; "
         if summary["checkpoints"]:
             said += (f"last checkpoint {summary['checkpoints'][-1]}; continue with "
-                     f"`python -m orchestrator submit JOB --resume {run_dir.path}`")
+                     f"`python -m orchestrator submit {job} --resume {run_dir.path}`")
         else:
             said += "no checkpoint was committed yet"
         console.print(said, markup=False)
