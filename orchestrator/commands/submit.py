@@ -84,10 +84,20 @@ def run(args: argparse.Namespace) -> int:
             )
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
+    if cfg.checkpoint.export:
+        from ..export import _safetensors
+
+        _safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
         console.print(f"run directory: {run_dir.path}", markup=False)
         run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
+    if cfg.checkpoint.export:
+        from ..export import export_run
+
+        with console.status("exporting the final weights"):
+            out = export_run(run_dir.path, run_dir.path / "export")
+        console.print(f"exported the final weights to {out}", markup=False)
     return 0
