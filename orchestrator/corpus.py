@@ -25,7 +25,7 @@ from .errors import UserError
 from .tokenfiles import BYTE_VOCAB, META_FORMAT, DataError, dtype_for_vocab, meta_path
 
 CHUNK_BYTES = 4 << 20
-"""Text files are read this much at a time, cut at a line end so no character or line is split."""
+"""Text files are read this much at a time and cut between words (see `_cut`)."""
 BATCH_PIECES = 64
 """Pieces tokenized together (the Rust tokenizer encodes a batch on all cores)."""
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
@@ -54,18 +54,49 @@ def input_files(path: Path) -> list[Path]:
     raise DataError(f"{path}: no such file or directory")
 
 
+_SPACE = frozenset(b" \t\n\r\x0b\x0c")
+
+
+def _cut(buf: bytes) -> int:
+    """Where to end a piece: before the last space that sits between two non-space bytes. A
+    pre-tokenizer (GPT-2's byte-level regex, SentencePiece's metaspace) starts a new word
+    there whatever came before, so the pieces tokenize exactly as the whole text would; and
+    a space is ASCII, never inside a UTF-8 character. -1 when there is none."""
+    i = len(buf) - 1
+    while i > 0:
+        i = buf.rfind(b" ", 0, i)
+        if i <= 0:
+            return -1
+        if buf[i - 1] not in _SPACE and buf[i + 1] not in _SPACE:
+            return i
+    return -1
+
+
+def _char_boundary(buf: bytes) -> int:
+    """The start of the last UTF-8 character in buf (continuation bytes are 0b10xxxxxx)."""
+    i = len(buf) - 1
+    while i > 0 and buf[i] & 0xC0 == 0x80:
+        i -= 1
+    return i
+
+
 def _text_pieces(path: Path) -> Iterator[Piece]:
     with open(path, "rb") as f:
+        buf = b""
         while True:
-            chunk = f.read(CHUNK_BYTES)
-            if not chunk:
+            data = f.read(CHUNK_BYTES)
+            buf += data
+            if not data:  # the end of the file ends the document (an empty file holds none)
+                if buf:
+                    yield Piece(buf, True, len(buf))
                 return
-            # Cut at a line end: a newline byte is never inside a UTF-8 character.
-            chunk += f.readline()
-            ends = f.peek(1) == b"" if hasattr(f, "peek") else False
-            yield Piece(chunk, ends, len(chunk))
-            if ends:
-                return
+            cut = _cut(buf)
+            if cut < 0:
+                if len(buf) < 4 * CHUNK_BYTES:
+                    continue  # no word boundary yet (text without spaces): read on
+                cut = _char_boundary(buf)
+            piece, buf = buf[:cut], buf[cut:]
+            yield Piece(piece, False, len(piece))
 
 
 def _jsonl_pieces(path: Path) -> Iterator[Piece]:
@@ -90,12 +121,7 @@ def pieces(path: Path) -> Iterator[Piece]:
         if f.suffix.lower() == ".jsonl":
             yield from _jsonl_pieces(f)
         else:
-            saw = False
-            for piece in _text_pieces(f):
-                saw = True
-                yield piece
-            if saw and not piece.ends_document:
-                yield Piece(b"", True, 0)
+            yield from _text_pieces(f)
 
 
 class ByteTokenizer:

@@ -74,6 +74,21 @@ def test_prepare_with_a_tokenizer_writes_each_document_then_eos(texts, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.npy", "train.npy.meta.json"]  # no temporaries
 
 
+def test_a_text_file_streamed_in_pieces_tokenizes_as_the_whole_text(texts, tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    import orchestrator.corpus
+
+    d, _, tok_file = texts
+    text = (d / "all.txt").read_text()
+    monkeypatch.setattr(orchestrator.corpus, "CHUNK_BYTES", 500)  # hundreds of pieces, cut between words
+    out = tmp_path / "t.npy"
+    assert main(["prepare", str(d / "all.txt"), "--out", str(out), "--tokenizer", str(tok_file)]) == 0
+    tok = Tokenizer.from_file(str(tok_file))
+    want = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|endoftext|>")]
+    assert np.load(out).tolist() == want
+
+
 def test_prepare_bytes_of_a_directory_gives_nanogpt_bin(texts, tmp_path):
     d, docs, _ = texts
     src = tmp_path / "src"
