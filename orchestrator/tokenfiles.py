@@ -63,15 +63,17 @@ def open_tokens(path: str | os.PathLike) -> np.ndarray:
     k = kind(p)
     size = p.stat().st_size
     if k == "npy":
-        try:
-            arr = np.load(p, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:  # truncated data, object arrays, a bad header
-            raise DataError(f"{p}: not a readable .npy token file ({str(e).splitlines()[0]})") from None
-        if arr.dtype.kind not in "ui":
-            raise DataError(f"{p}: a token file needs an integer dtype (uint16, uint32, ...), got {arr.dtype}")
-        if arr.ndim != 1:
-            raise DataError(f"{p}: a token file is 1-D (one stream of token ids), got shape {arr.shape}")
-        return _random_access(arr)
+        shape, dtype, offset = _npy_header(p)
+        if dtype.kind not in "ui":
+            raise DataError(f"{p}: a token file needs an integer dtype (uint16, uint32, ...), got {dtype}")
+        if len(shape) != 1:
+            raise DataError(f"{p}: a token file is 1-D (one stream of token ids), got shape {shape}")
+        if size != offset + shape[0] * dtype.itemsize:
+            raise DataError(
+                f"{p}: {size - offset:,} bytes of data is not the {shape[0]:,} x {dtype.itemsize} bytes ({dtype}) "
+                f"its header says; the file is truncated or was changed"
+            )
+        return _random_access(np.load(p, mmap_mode="r", allow_pickle=False))
     dtype = np.dtype(np.uint16) if k == "bin" else np.dtype(np.uint8)
     if size % dtype.itemsize:
         raise DataError(
@@ -81,6 +83,18 @@ def open_tokens(path: str | os.PathLike) -> np.ndarray:
     if size == 0:
         raise DataError(f"{p}: the file is empty")
     return _random_access(np.memmap(p, dtype=dtype.newbyteorder("<"), mode="r"))
+
+
+def _npy_header(p: Path) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, data offset) from a .npy header, without touching the data."""
+    try:
+        with open(p, "rb") as f:
+            major, _ = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+            return shape, dtype, f.tell()
+    except ValueError as e:
+        raise DataError(f"{p}: not a .npy file ({str(e).splitlines()[0]})") from None
 
 
 def _random_access(arr: np.ndarray) -> np.ndarray:

@@ -205,6 +205,11 @@ def test_bad_token_files_are_refused_by_submit_before_anything_starts(tmp_path, 
     np.save(floats, np.zeros(1000, dtype=np.float32))
     err = _submit_error(capsys, f"data.path={floats}")
     assert "f.npy" in err and "integer dtype" in err and "float32" in err
+    cut = tmp_path / "cut.npy"
+    np.save(cut, np.arange(1000, dtype=np.uint32))
+    cut.write_bytes(cut.read_bytes()[:-3])
+    err = _submit_error(capsys, f"data.path={cut}")
+    assert "cut.npy" in err and "truncated" in err
     missing = _submit_error(capsys, f"data.val_path={tmp_path / 'nope.bin'}")
     assert "data.val_path" in missing
 
