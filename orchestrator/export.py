@@ -34,7 +34,7 @@ FORMAT = "orchestrator-gpt/1"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which the built-in GPT uses
 
 
-def _safetensors():
+def require_safetensors():
     try:
         import safetensors.torch as st
     except ImportError:
@@ -133,7 +133,7 @@ def gpt2_config(cfg: GPTConfig, eos_id: int | None = None) -> dict[str, Any]:
 
 def export_model(model: GPT, out: Path, tokenizer: str | None = None, eos_id: int | None = None) -> Path:
     """Write `model` to the directory `out`, which must not exist yet (or be empty)."""
-    st = _safetensors()
+    st = require_safetensors()
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: exists and is not an empty directory; choose another")
@@ -160,7 +160,7 @@ def export_model(model: GPT, out: Path, tokenizer: str | None = None, eos_id: in
 
 def load_exported(path: str | os.PathLike) -> GPT:
     """The built-in GPT from an exported directory (our config, GPT-2-layout weights)."""
-    st = _safetensors()
+    st = require_safetensors()
     p = Path(path)
     try:
         meta = json.loads((p / "gpt_config.json").read_text())
@@ -175,8 +175,9 @@ def load_exported(path: str | os.PathLike) -> GPT:
     return model
 
 
-def model_config_of_run(run_dir: Path) -> tuple[GPTConfig, dict[str, Any]]:
-    """The model config and data section a run was trained with (its config.yaml)."""
+def run_config(run_dir: Path) -> tuple[GPTConfig, dict[str, Any], str]:
+    """What a run was trained with (its config.yaml): the model config, the data section, and
+    where its checkpoints are."""
     from omegaconf import OmegaConf
 
     path = run_dir / "config.yaml"
@@ -184,22 +185,22 @@ def model_config_of_run(run_dir: Path) -> tuple[GPTConfig, dict[str, Any]]:
         raise UserError(f"{run_dir}: no config.yaml; not a run directory")
     cfg = OmegaConf.to_container(OmegaConf.load(path))
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in cfg["model"].items() if k in fields}), cfg.get("data") or {}
+    model = GPTConfig(**{k: v for k, v in cfg["model"].items() if k in fields})
+    return model, cfg.get("data") or {}, (cfg.get("checkpoint") or {}).get("path") or str(run_dir / "checkpoints")
 
 
-def latest_checkpoint(run_dir: Path) -> str:
-    """The newest checkpoint of a run that verifies (size and SHA-256 of every file)."""
+def latest_checkpoint(root: str) -> str:
+    """The newest checkpoint under `root` that verifies (size and SHA-256 of every file)."""
     from .errors import CheckpointError
     from .runtime import checkpoint
 
-    found = checkpoint.committed(str(run_dir / "checkpoints"))
-    for path in reversed(found):
+    for path in reversed(checkpoint.committed(root)):
         try:
             checkpoint.verify(path)
             return path
         except CheckpointError:
             continue
-    raise CheckpointError(f"{run_dir}: no whole checkpoint under {run_dir / 'checkpoints'}")
+    raise CheckpointError(f"no whole checkpoint under {root}")
 
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_path: str | None = None) -> Path:
@@ -208,9 +209,9 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_pa
     from .tokenfiles import read_meta
 
     run_dir = Path(run_dir)
-    _safetensors()  # fail before any work when the package is missing
-    cfg, data = model_config_of_run(run_dir)
-    ckpt = checkpoint_path or latest_checkpoint(run_dir)
+    require_safetensors()  # fail before any work when the package is missing
+    cfg, data, root = run_config(run_dir)
+    ckpt = checkpoint_path or latest_checkpoint(root)
     model = GPT(cfg)
     checkpoint.load_model_weights(ckpt, model)
     meta = read_meta(data["path"]) if data.get("path") and Path(data["path"]).is_file() else None

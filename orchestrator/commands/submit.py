@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
     if cfg.checkpoint.export:
-        from ..export import _safetensors
+        from ..export import require_safetensors
 
-        _safetensors()  # refused before training, not after it
+        require_safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
