@@ -22,6 +22,8 @@ COMMANDS = {
     "status": ("status", "list the jobs of a Ray cluster, or show one"),
     "logs": ("logs", "print (or follow) the output of a job on a Ray cluster"),
     "stop": ("stop", "stop a job on a Ray cluster and wait until it has ended"),
+    "prepare": ("prepare", "tokenize text (a file, a directory, JSONL) into a token file to train on"),
+    "export": ("export", "write a run's final weights as safetensors (a transformers GPT-2 model)"),
     "node-labels": ("node_labels", "print this machine's Ray node labels for `ray start --labels`"),
 }
 

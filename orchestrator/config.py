@@ -46,9 +46,13 @@ class DataConfig:
     """Training text."""
 
     path: Optional[str] = None
-    """A UTF-8 text file to train on; None uses the text of Python's `pydoc_data.topics`."""
+    """What to train on, by suffix: `.bin` (nanoGPT's raw uint16 tokens), `.npy` (a 1-D integer
+    array, e.g. from `prepare`) or any other file as UTF-8 text (its bytes are the tokens); None
+    uses the text of Python's `pydoc_data.topics`. Token files are memory-mapped, never read whole."""
     val_fraction: float = 0.1
-    """Fraction of the tokens (the tail of the text) held out for validation."""
+    """Fraction of the tokens (the tail of the file) held out for validation, unless `val_path` is set."""
+    val_path: Optional[str] = None
+    """A separate validation file (same formats as `path`); when set, all of `path` trains."""
 
 
 @dataclass
@@ -149,6 +153,9 @@ class CheckpointConfig:
     """Directory (or fsspec URI) for checkpoints; None uses `<run dir>/checkpoints`."""
     keep_last: int = 2
     """How many whole checkpoints to keep."""
+    export: bool = False
+    """At the end of the run, also write the final weights as safetensors to `<run dir>/export`
+    (as the `export` command does; needs the `hf` extra)."""
 
 
 @dataclass
@@ -296,8 +303,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"key 'model.dropout': must be in [0, 1), got {m.dropout}")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"key 'data.val_fraction': must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
-        raise ConfigError(f"key 'data.path': no such file {cfg.data.path}")
+    for key in ("path", "val_path"):
+        if getattr(cfg.data, key) is not None and not Path(getattr(cfg.data, key)).is_file():
+            raise ConfigError(f"key 'data.{key}': no such file {getattr(cfg.data, key)}")
+    from .tokenfiles import check_data  # numpy: loaded only when a job is checked
+
+    check_data(cfg.data.path, cfg.data.val_path, m.vocab_size, m.block_size)
     _positive(t.max_steps, "train.max_steps")
     _positive(t.global_batch_size, "train.global_batch_size")
     _auto_or_positive_int(t.micro_batch_size, "train.micro_batch_size")
@@ -320,6 +331,8 @@ def validate(cfg: JobConfig) -> None:
     _positive(cfg.cluster.nodes, "cluster.nodes")
     _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    if cfg.checkpoint.export and not cfg.checkpoint.enabled:
+        raise ConfigError("key 'checkpoint.export': exports the final checkpoint, so it needs checkpoint.enabled=true")
     _positive(cfg.monitor.log_interval, "monitor.log_interval")
     _positive(cfg.elastic.min_workers, "elastic.min_workers")
     _positive(cfg.elastic.max_workers, "elastic.max_workers", allow_zero=True)

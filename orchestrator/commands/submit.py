@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
             )
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
+    if cfg.checkpoint.export:
+        from ..export import require_safetensors
+
+        require_safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
@@ -87,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"run directory: {run_dir.path}", markup=False)
         with WorkerLogs(run_dir, console, verbose=args.verbose):
             _run_until_stopped(cfg, args.job, run_dir, console, dashboard_url, resume)
+    if cfg.checkpoint.export:
+        from ..export import export_run
+
+        with console.status("exporting the final weights"):
+            out = export_run(run_dir.path, run_dir.path / "export")
+        console.print(f"exported the final weights to {out}", markup=False)
     return 0
 
 

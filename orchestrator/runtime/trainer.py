@@ -20,7 +20,7 @@ from ..choices import Precision
 from ..config import JobConfig
 from ..planning import Plan
 from ..planning.resolve import on_device
-from ..workloads.data import TextData, load_tokens
+from ..workloads.data import open_data
 from ..workloads.gpt import GPT, GPTConfig, param_groups
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .schedule import lr_at
@@ -85,7 +85,8 @@ class Trainer:
             device,
             node_of_rank=plan.node_of_rank,
         )
-        self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
+        d = cfg.data
+        self.data = open_data(d.path, d.val_path, d.val_fraction, m.block_size, t.seed, vocab_size=m.vocab_size)
         # fp16's narrow range needs loss scaling (bf16 does not); resolve admits fp16 with DDP
         # only, where every rank holds whole gradients and the scaler's inf check agrees.
         self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
