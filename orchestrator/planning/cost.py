@@ -9,9 +9,9 @@ from ..choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from .comm import GroupLinks, all_reduce, gloo_all_reduce, group_all_gather, group_all_reduce, group_reduce_scatter
 from .compute import DeviceSpeed, efficiency, matmul_seconds, optimizer_seconds
 from .layout import ClusterLayout
-from .memory import ByteLayout, MemoryBreakdown, block_params, params_per_tp_rank, rank_memory, runtime_states
+from .memory import ByteLayout, MemoryBreakdown, params_per_tp_rank, rank_memory, runtime_states
 from .mesh import Mesh
-from .model_math import ModelShape, flops_per_step
+from .model_math import ModelShape, block_params, flops_per_step
 from .resolve import Execution, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
 
