@@ -181,6 +181,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             timeout_s=cfg.cluster.placement_timeout_s,
         )
     affinity = _cpu_affinity(plan, topology)
+    nccl = _nccl(plan, topology)
     try:
         run.write_json("placement.json", placement.reports)
         actors = placement.actors
@@ -188,14 +189,15 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             master = ray.get(actors[0].rendezvous_address.remote())
             with console.status("starting the process group and building the model"):
                 setups = ray.get([
-                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None)
+                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r])
                     for r, a in enumerate(actors)
                 ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
         for report, setup in zip(placement.reports, setups):
             # What each rank set up for itself: the GPUs it exposes to NCCL, the CPUs it runs on.
-            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"])
+            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"],
+                          nccl_env=setup["nccl_env"])
         run.write_json("placement.json", placement.reports)
         for note in _notes(setups):
             console.print(f"[yellow]note:[/] {escape(note)}")
@@ -225,6 +227,15 @@ def _cpu_affinity(plan: Plan, topology) -> list[str | None]:
     """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
     by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
     return [by_node.get(r.node, {}).get(r.gpu) for r in plan.ranks]
+
+
+def _nccl(plan: Plan, topology) -> list:
+    """Each rank's NCCL settings, decided per node from its probed topology (`nccl_env`)."""
+    from .nccl_env import nccl_setup
+
+    multi = len(set(plan.node_of_rank)) > 1
+    by_node = {n.node_id: nccl_setup(n, multi) for n in topology.nodes if n.node_id in set(plan.node_of_rank)}
+    return [by_node.get(r.node) for r in plan.ranks]
 
 
 def _elastic(cfg: JobConfig, topology):
