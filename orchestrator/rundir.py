@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 REMOTE_RUN_ENV = "ORCHESTRATOR_REMOTE_RUN"
 """Set in the environment of a driver that `submit --address` started through the Jobs API."""
 RUN_DIR_LINE = "run directory: "

@@ -13,11 +13,11 @@ from ..choices import Choice, Compression, Precision, Recompute, Strategy, SyncA
 from ..config import JobConfig
 from ..errors import PlanError
 from ..topology.model import ClusterTopology
-from .cluster_view import LeftOut, plannable
+from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed
 from .cost import Estimate, JobContext, execution
 from .gpus import known_names
-from .layout import ClusterLayout, Wirings, node_name, rank_placements
+from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
@@ -193,7 +193,8 @@ class Plan:
             model=ModelSummary(**d["model"]),
             strategy=Strategy(d["strategy"]),
             mesh=Mesh.from_dict(d["mesh"]),
-            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"]), r.get("nic")) for r in d["ranks"]),
+            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"]), r.get("nic"), r.get("nvlink_domain"))
+                        for r in d["ranks"]),
             memory_per_rank=MemoryBreakdown(**{k: int(v) for k, v in d["memory_per_rank"].items()}),
             fits=bool(d["fits"]),
             reason=d["reason"],
@@ -342,8 +343,10 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
 
     Nodes `plannable` leaves out (GPU-less nodes of a GPU cluster) run no rank; `left_out`
     adds those a caller already set aside, so the plan names them all."""
-    topology, more = plannable(topology)
+    real, more = plannable(topology)
     left_out = tuple(left_out) + more
+    view = nvlink_view(real)
+    topology = view.topology
     shape = ModelShape.from_config(cfg.model)
     ctx = _context(cfg, topology, shape)
     try:
@@ -369,8 +372,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
     alternatives = [_alternative(r, r.fits(ctx.usable_bytes), e, ctx) for r in res.runners_up[:MAX_ALTERNATIVES]]
     alternatives += [Alternative(strategy=r.strategy, mesh=r.mesh, fits=False, reason=r.reason)
                      for r in res.rejected[:MAX_ALTERNATIVES]]
-    ranks, nic_notes = assign_nics(rank_placements(topology, cl),
-                                   {node_name(n, i): n for i, n in enumerate(topology.nodes)})
+    ranks, nic_notes = assign_nics(real_ranks(view, real, cl), {node_name(n, i): n for i, n in enumerate(real.nodes)})
     return Plan(
         model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
                            peak_tflops_per_rank=ctx.speed.peak_tflops),
@@ -387,7 +389,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
         micro_batch_size=e.choice.micro_batch,
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
-        explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + nic_notes
+        explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + describe_domains(view, real) + nic_notes
                           + [f"left out: {x}" for x in left_out]),
         left_out=left_out,
     )
