@@ -342,7 +342,7 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     assert info.status == "SUCCEEDED", "".join(seen)[-3000:]
     assert info.name == "remote"
     assert "cluster.address=auto" in info.entrypoint
-    assert len(scraped) == 2, f"orchestrator metrics seen on {len(scraped)} of the 2 GPU nodes' endpoints during the run"
+    assert len(scraped) == 2, f"orchestrator metrics seen on {len(scraped)} of the 2 GPU nodes' endpoints"
     ranks, nodes = set(), set()
     for text in scraped.values():
         for m in re.finditer(r'^ray_orchestrator_loss\{([^}]*)\}', text, re.M):

@@ -193,8 +193,8 @@ class Plan:
             model=ModelSummary(**d["model"]),
             strategy=Strategy(d["strategy"]),
             mesh=Mesh.from_dict(d["mesh"]),
-            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"]), r.get("nic"), r.get("nvlink_domain"))
-                        for r in d["ranks"]),
+            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"]), nic=r.get("nic"),
+                                      nvlink_domain=r.get("nvlink_domain")) for r in d["ranks"]),
             memory_per_rank=MemoryBreakdown(**{k: int(v) for k, v in d["memory_per_rank"].items()}),
             fits=bool(d["fits"]),
             reason=d["reason"],

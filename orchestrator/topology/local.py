@@ -75,7 +75,7 @@ def missing_nics(node: NodeTopology, root: str | Path = "/") -> list[str]:
     """The NICs a declared node names that this host has no device of (placeholders skipped)."""
     base = Path(root)
     return [n.name for n in node.nics if not _PLACEHOLDER_NIC.match(n.name)
-            and not (base / "sys/class/infiniband" / n.name).exists() and not (base / "sys/class/net" / n.name).exists()]
+            and not any((base / "sys/class" / cls / n.name).exists() for cls in ("infiniband", "net"))]
 
 
 def cpu_slot_tflops(seconds: float = 0.2, n: int = 512) -> float | None:
