@@ -18,18 +18,18 @@ UUID = "8f0e2a6c-1d2b-4c1e-9a8e-0b4b1c1d2e3f"
 MODEL = ["model.n_layer=2", "model.n_head=16", "model.n_embd=512", "train.global_batch_size=32"]
 
 
-def nvl72_tray(node_id: str, clique: str | None) -> NodeTopology:
+def nvl72_tray(node_id: str, clique: str | None, gpus: int = 4) -> NodeTopology:
     """One compute tray of a GB200 NVL72: 4 GPUs, 18 NVLink-5 lanes each into the rack's
     NVSwitches, one ConnectX NIC beside each GPU."""
     bw, lat = estimate("nvlink", nvlinks=18, nvlink_gen=5, name="NVIDIA GB200")
     devices = [Device(index=i, name="NVIDIA GB200", memory_bytes=186 * 2**30, fabric_clique=clique,
-                      pci_bus_id=f"0000:{0x10 * (i + 1):02x}:00.0") for i in range(4)]
+                      pci_bus_id=f"0000:{0x10 * (i + 1):02x}:00.0") for i in range(gpus)]
     links = [Link(a=a, b=b, kind="nvlink", nvlinks=18, nvlink_gen=5, bandwidth_gbps=bw, latency_us=lat, via_switch=True)
-             for a, b in all_pairs(range(4))]
+             for a, b in all_pairs(range(gpus))]
     nics = [Nic(name=f"mlx5_{i}", kind="infiniband", speed_gbps=400.0,
-                gpu_paths={g: "pix" if g == i else "sys" for g in range(4)}) for i in range(4)]
+                gpu_paths={g: "pix" if g == i else "sys" for g in range(gpus)}) for i in range(gpus)]
     return NodeTopology(hostname=node_id, node_id=node_id, source="declared:tray.json", devices=devices, links=links,
-                        nics=nics, nvlink_domains=[[0, 1, 2, 3]])
+                        nics=nics, nvlink_domains=[list(range(gpus))])
 
 
 def _cluster(tmp_path) -> ClusterTopology:
@@ -86,3 +86,39 @@ def test_placement_selects_on_the_domain_label_its_nodes_advertise(tmp_path):
     labels["C"] = {**labels["C"], NVLINK_DOMAIN_LABEL: f"{UUID}.1"}
     with pytest.raises(PlacementError, match="node C advertises orchestrator.io/nvlink-domain="):
         _bundles(plan, True, 1.0, True, labels)
+
+
+@pytest.mark.ray
+def test_live_domain_spans_two_labelled_nodes_behind_a_gpu_less_head(tmp_path):
+    """Two fake trays declared as one NVLink domain and started with their `node-labels`:
+    a tp=4 group spans both, and placement holds them through the domain label selector.
+    (Trays of 2 GPUs rather than 4: each rank is a process importing torch on a small CI box.)"""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator.commands.node_labels import node_labels
+    from orchestrator.placement import place
+    from orchestrator.topology.cluster_probe import probe_cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    try:
+        for n in "AB":
+            tray = nvl72_tray(n, f"{UUID}/1", gpus=2)
+            tray.node_id = None
+            path = tmp_path / f"{n}.json"
+            path.write_text(json.dumps(tray.to_dict()))
+            cluster.add_node(num_cpus=2, num_gpus=2, env_vars={"ORCHESTRATOR_TOPOLOGY_FILE": str(path)},
+                             labels=node_labels(tray))
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        plan = plan_job(load_config(None, [*MODEL, "parallel.tp=4"]), probe_cluster())
+        assert len(plan.left_out) == 1  # the head
+        assert [len({plan.ranks[r].node for r in g}) for g in plan.groups["tp"]] == [2]
+        placement = place(plan, job="nvl", use_gpu=True, cpus_per_worker=0.25, threads_per_worker=1, timeout_s=120)
+        try:
+            assert [(p["node_id"], p["gpu"]) for p in placement.reports] == [(r.node, r.gpu) for r in plan.ranks]
+        finally:
+            placement.release()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
