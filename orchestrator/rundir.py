@@ -4,7 +4,7 @@
         config.yaml      the merged config
         topology.json    the probed cluster
         plan.json        the plan (strategy, mesh, rank -> node/GPU, predictions)
-        placement.json   what each worker actor reported: rank, node, GPU or CPU slot, pid
+        placement.json   what each worker actor reported: rank, node, GPU or CPU slot, pid, NCCL env
         metrics.jsonl    one JSON line per optimizer step
         summary.json     the outcome, with the plan's predictions beside the measurements
         loss.svg         the loss curve

@@ -217,7 +217,7 @@ def job_context(cfg: JobConfig, topology: ClusterTopology) -> JobContext:
     """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
     byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
     and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
-    return _context(cfg, plannable(topology)[0], ModelShape.from_config(cfg.model))
+    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, ModelShape.from_config(cfg.model))
 
 
 def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobContext:
