@@ -171,7 +171,8 @@ def cluster():
                  f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
                  f"--runtime-env-agent-port={rtenv}", *gpu_args],
                 env, tmp, metrics, f"worker{i}"))
-        _wait(lambda: len(c.node_ids()) == 3, 90, "the GPU nodes to join")
+            # One at a time: two raylets starting at once can overload a small machine's GCS.
+            _wait(lambda: len(c.node_ids()) == 2 + i, 90, f"GPU node {i} to join")
         yield c
     except BaseException:
         for n in c.nodes:
