@@ -172,7 +172,7 @@ def cluster():
                  f"--runtime-env-agent-port={rtenv}", *gpu_args],
                 env, tmp, metrics, f"worker{i}"))
             # One at a time: two raylets starting at once can overload a small machine's GCS.
-            _wait(lambda: len(c.node_ids()) == 2 + i, 90, f"GPU node {i} to join")
+            _wait(lambda n=2 + i: len(c.node_ids()) == n, 90, f"GPU node {i} to join")
         yield c
     except BaseException:
         for n in c.nodes:
