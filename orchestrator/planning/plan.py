@@ -373,6 +373,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
     alternatives += [Alternative(strategy=r.strategy, mesh=r.mesh, fits=False, reason=r.reason)
                      for r in res.rejected[:MAX_ALTERNATIVES]]
     ranks, nic_notes = assign_nics(real_ranks(view, real, cl), {node_name(n, i): n for i, n in enumerate(real.nodes)})
+    nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
     return Plan(
         model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
                            peak_tflops_per_rank=ctx.speed.peak_tflops),
