@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--resume reads a local run directory; with --address, resume on the cluster instead")
         job_id, cfg = submit_remote(args.address, args.job, args.overrides)
         print(f"submitted {job_id} to {args.address}")
-        if not Path(cfg.monitor.runs_dir).expanduser().is_absolute():
+        if "://" not in cfg.monitor.runs_dir and not Path(cfg.monitor.runs_dir).expanduser().is_absolute():
             print(f"its run directory will be under ~/{cfg.monitor.runs_dir} on the head node "
                   f"(`status {job_id}` names it)")
         print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
