@@ -94,6 +94,19 @@ def test_apply_sets_what_the_user_did_not_and_reports_it(monkeypatch, tmp_path):
     assert got == {"NCCL_IB_HCA": "mlx5_0", "NCCL_SOCKET_IFNAME": "=eth9", "NCCL_TOPO_FILE": "/mine.xml"}
 
 
+def test_a_declared_wiring_of_another_machine_is_not_handed_to_nccl(monkeypatch, tmp_path):
+    for k in list(os.environ):
+        if k.startswith("NCCL_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    setup = nccl_env.nccl_setup(_declared(), multi_node=False)
+    got, notes = nccl_env.apply(setup, "127.0.0.1", gpu_bus_id="00000000:18:00.0")  # GPU0 as NVML spells it
+    assert "NCCL_TOPO_FILE" in got and not notes
+    monkeypatch.delenv("NCCL_TOPO_FILE")
+    got, notes = nccl_env.apply(setup, "127.0.0.1", gpu_bus_id="00000000:C1:00.0")
+    assert "NCCL_TOPO_FILE" not in got and "does not name this GPU's PCI bus id 0000:c1:00.0" in notes[0]
+
+
 def _declared():
     node = _with_bus_ids_and_nics()
     node.source = "declared:/etc/node.json"

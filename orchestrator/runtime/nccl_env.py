@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..topology.model import NodeTopology
-from ..topology.nccl_write import missing_bus_ids, nccl_topology_xml
+from ..topology.nccl_write import bus_id, missing_bus_ids, nccl_topology_xml
 
 TOPO_FILE = "NCCL_TOPO_FILE"
 SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
@@ -110,14 +110,19 @@ def _write_once(xml: str) -> str:
     return str(path)
 
 
-def apply(setup: NcclSetup | None, node_ip: str) -> tuple[dict[str, str], list[str]]:
+def apply(setup: NcclSetup | None, node_ip: str, gpu_bus_id: str | None = None) -> tuple[dict[str, str], list[str]]:
     """Set NCCL's variables in this process where the user has not; return every NCCL_*
-    variable the process now has, and notes for the user."""
+    variable the process now has, and notes for the user. `gpu_bus_id` is this rank's GPU as
+    NVML reports it, where it can: a written file that does not name it describes another
+    machine, and NCCL is better off without it."""
     notes = [setup.note] if setup is not None and setup.note else []
     if setup is not None:
         if TOPO_FILE not in os.environ:
             if setup.topo_file:
                 os.environ[TOPO_FILE] = setup.topo_file
+            elif setup.topo_xml and gpu_bus_id and f'"{bus_id(gpu_bus_id)}"' not in setup.topo_xml:
+                notes.append(f"{TOPO_FILE} not set: the declared topology does not name this GPU's PCI bus id "
+                             f"{bus_id(gpu_bus_id)}; it describes another machine")
             elif setup.topo_xml:
                 os.environ[TOPO_FILE] = _write_once(setup.topo_xml)
         if setup.socket_ifname and SOCKET_IFNAME not in os.environ:

@@ -138,7 +138,7 @@ class Worker:
             device = torch.device("cpu")
             backend = "gloo"
         # Before the process group: NCCL reads its environment when the communicator starts.
-        nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address())
+        nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
         init_process_group(self.rank, self.world, master[0], master[1], backend)
         self.trainer = Trainer(cfg, plan, device)

@@ -68,9 +68,9 @@ def _cpumask(cpus: str | None) -> str | None:
     return ",".join(reversed(words))
 
 
-def _bus(bus_id: str) -> str:
+def bus_id(text: str) -> str:
     """NVML pads the PCI domain to 8 hex digits; NCCL and sysfs write 4."""
-    domain, _, rest = bus_id.strip().lower().partition(":")
+    domain, _, rest = text.strip().lower().partition(":")
     return f"{int(domain, 16):04x}:{rest}" if rest else domain
 
 
@@ -157,8 +157,8 @@ def _leaf(key: str, gpus, nics, indent: int) -> str:
     pad = " " * indent
     if key in gpus:
         d = gpus[key]
-        return (f'{pad}<pci busid={quoteattr(_bus(d.pci_bus_id))} class="{_CLASS_GPU}" vendor="0x10de"'
+        return (f'{pad}<pci busid={quoteattr(bus_id(d.pci_bus_id))} class="{_CLASS_GPU}" vendor="0x10de"'
                 f'{_link(d.pcie_gen, d.pcie_width)}/>')
     n = nics[key]
     vendor = f' vendor="{_EFA_VENDOR}"' if n.kind == "efa" else ""
-    return f'{pad}<pci busid={quoteattr(_bus(n.pci_bus_id))} class="{_NIC_CLASS.get(n.kind, "0x020000")}"{vendor}/>'
+    return f'{pad}<pci busid={quoteattr(bus_id(n.pci_bus_id))} class="{_NIC_CLASS.get(n.kind, "0x020000")}"{vendor}/>'
