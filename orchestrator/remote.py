@@ -169,13 +169,16 @@ def entrypoint(job_rel: str, overrides: list[str], verbose: bool = False) -> str
     return shlex.join(args)
 
 
-def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bool = False) -> str:
-    """Submit `job_file` with `overrides` as a Ray job on the cluster at `address`; return its id.
+def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bool = False) -> tuple[str, Any]:
+    """Submit `job_file` with `overrides` as a Ray job on the cluster at `address`; return its
+    id and the config as loaded here.
 
     The config is loaded here first, so a bad key fails on this machine in a second rather
-    than on the cluster after the upload.
+    than on the cluster after the upload. On the head, relative `monitor.runs_dir` and
+    `checkpoint.path` are taken from the home directory (`rundir.anchored`).
     """
     from .config import load_config
+    from .rundir import REMOTE_RUN_ENV
 
     cfg = load_config(job_file, overrides)
     workdir = shipped_dir()
@@ -189,14 +192,26 @@ def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bo
     submission_id = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     c = client(address)
     try:
-        return c.submit_job(
+        job_id = c.submit_job(
             entrypoint=entrypoint(job_rel, list(overrides), verbose),
             submission_id=submission_id,
-            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
+            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES, "env_vars": {REMOTE_RUN_ENV: "1"}},
             metadata={"orchestrator_job": cfg.name},
         )
     except Exception as e:
         raise _translate(e, _normalise(address)) from e
+    return job_id, cfg
+
+
+def run_directory(address: str, job_id: str) -> str | None:
+    """Where the job's driver put its run directory (on the node it runs on), from its log;
+    None before the driver has said."""
+    from .rundir import RUN_DIR_LINE
+
+    text = "".join(job_logs(address, job_id))
+    found = [line.split(RUN_DIR_LINE, 1)[1].split("  (")[0].strip()
+             for line in text.splitlines() if line.startswith(RUN_DIR_LINE)]
+    return found[0] if found else None
 
 
 def _as_job(info: Any) -> RemoteJob:

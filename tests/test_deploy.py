@@ -65,6 +65,11 @@ def test_launcher_config_passes_ray_validation(name):
         # Ray's AWS bootstrap refuses subnets or groups outside the interfaces when they are set.
         assert not {"SubnetId", "SubnetIds", "SecurityGroupIds"} & set(node_config)
         assert node_config["Placement"]["GroupName"]
+        # The EFA environment as AWS documents it reaches the workers (they inherit the raylet's).
+        start = next(c for c in prepared["worker_start_ray_commands"] if "ray start" in c)
+        efa_env = ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1",
+                   "LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib")
+        assert start.index("ray start") > max(start.index(v) for v in efa_env)
 
 
 def test_ray_validation_rejects_a_broken_launcher_config():
@@ -191,3 +196,11 @@ def test_start_command_substitution_yields_ray_labels(monkeypatch):
 
     labels = parse_node_labels_string(out.stdout)
     assert labels[f"{PREFIX}nvlink-domain-size"] == "4" and labels[f"{PREFIX}nic-rails"] == "4"
+
+
+def test_gcp_recipe_says_plainly_that_nccl_runs_over_tcp():
+    text = (DEPLOY / "gcp-a3-high.yaml").read_text()
+    setup = "\n".join(_load("gcp-a3-high.yaml")["setup_commands"])
+    # Neither the TCPX plugin nor the receive-datapath daemon is installed, and the file says so.
+    assert "tcpx" not in setup.lower() and "rxdm" not in setup.lower()
+    assert "NCCL between nodes runs over plain TCP sockets here, NOT GPUDirect-TCPX" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,19 +54,24 @@ def run(args: argparse.Namespace) -> int:
             from ..errors import ConfigError
 
             raise ConfigError("--resume reads a local run directory; with --address, resume on the cluster instead")
-        job_id = submit_remote(args.address, args.job, args.overrides, verbose=args.verbose)
+        job_id, cfg = submit_remote(args.address, args.job, args.overrides, verbose=args.verbose)
         print(f"submitted {job_id} to {args.address}")
+        if "://" not in cfg.monitor.runs_dir and not Path(cfg.monitor.runs_dir).expanduser().is_absolute():
+            print(f"its run directory will be under ~/{cfg.monitor.runs_dir} on the head node "
+                  f"(`status {job_id}` names it)")
         print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
         return 0
 
     from ..cluster import connect
     from ..config import load_config
-    from ..rundir import RunDir
+    from ..rundir import RUN_DIR_LINE, RunDir, anchored
     from ..runtime.worker_logs import WorkerLogs
     from ..signals import stop_on_sigterm
 
     stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
+    cfg.monitor.runs_dir = anchored(cfg.monitor.runs_dir)
+    cfg.checkpoint.path = anchored(cfg.checkpoint.path)
     resume = resume_checkpoint(args.resume) if args.resume else None
     if resume:
         from ..errors import ConfigError
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
-        console.print(f"run directory: {run_dir.path}", markup=False)
+        console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
         with WorkerLogs(run_dir, console, verbose=args.verbose):
             _run_until_stopped(cfg, args.job, run_dir, console, dashboard_url, resume)
     if cfg.checkpoint.export:

@@ -13,13 +13,15 @@ from ..choices import Choice, Compression, Precision, Recompute, Strategy, SyncA
 from ..config import JobConfig
 from ..errors import PlanError
 from ..topology.model import ClusterTopology
+from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed
 from .cost import Estimate, JobContext, execution
 from .gpus import known_names
-from .layout import ClusterLayout, Wirings, rank_placements
+from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
+from .nics import assign_nics
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
 from .sync import SyncPlan, powersgd_ratio
@@ -139,6 +141,8 @@ class Plan:
     """The runners-up and rejected candidates, each with its reason."""
     explanation: tuple[str, ...] = ()
     """Lines that explain the choice to a person."""
+    left_out: tuple[LeftOut, ...] = ()
+    """Nodes of the probed cluster that run no rank (a GPU-less head under a GPU plan), and why."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.mesh.world_size:
@@ -180,6 +184,7 @@ class Plan:
             "recompute": str(self.recompute),
             "world_size": self.world_size,
             "explanation": list(self.explanation),
+            "left_out": [x.to_dict() for x in self.left_out],
         }
 
     @classmethod
@@ -188,7 +193,8 @@ class Plan:
             model=ModelSummary(**d["model"]),
             strategy=Strategy(d["strategy"]),
             mesh=Mesh.from_dict(d["mesh"]),
-            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"])) for r in d["ranks"]),
+            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"]), nic=r.get("nic"),
+                                      nvlink_domain=r.get("nvlink_domain")) for r in d["ranks"]),
             memory_per_rank=MemoryBreakdown(**{k: int(v) for k, v in d["memory_per_rank"].items()}),
             fits=bool(d["fits"]),
             reason=d["reason"],
@@ -199,6 +205,7 @@ class Plan:
             recompute=Recompute(d["recompute"]),
             alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
             explanation=tuple(d.get("explanation", [])),
+            left_out=tuple(LeftOut(**x) for x in d.get("left_out", [])),
         )
 
 
@@ -210,7 +217,7 @@ def job_context(cfg: JobConfig, topology: ClusterTopology) -> JobContext:
     """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
     byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
     and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
-    return _context(cfg, topology, ModelShape.from_config(cfg.model))
+    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, ModelShape.from_config(cfg.model))
 
 
 def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobContext:
@@ -329,10 +336,17 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
     return lines
 
 
-def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
+def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut, ...] = ()) -> Plan:
     """Plan `cfg` on `topology`: the fastest plan that fits, or, when the config forces choices
     that cannot fit, the forced plan with fits=False and the reason. PlanError only when
-    nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides)."""
+    nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides).
+
+    Nodes `plannable` leaves out (GPU-less nodes of a GPU cluster) run no rank; `left_out`
+    adds those a caller already set aside, so the plan names them all."""
+    real, more = plannable(topology)
+    left_out = tuple(left_out) + more
+    view = nvlink_view(real)
+    topology = view.topology
     shape = ModelShape.from_config(cfg.model)
     ctx = _context(cfg, topology, shape)
     try:
@@ -358,12 +372,14 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
     alternatives = [_alternative(r, r.fits(ctx.usable_bytes), e, ctx) for r in res.runners_up[:MAX_ALTERNATIVES]]
     alternatives += [Alternative(strategy=r.strategy, mesh=r.mesh, fits=False, reason=r.reason)
                      for r in res.rejected[:MAX_ALTERNATIVES]]
+    ranks, nic_notes = assign_nics(real_ranks(view, real, cl), {node_name(n, i): n for i, n in enumerate(real.nodes)})
+    nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
     return Plan(
         model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
                            peak_tflops_per_rank=ctx.speed.peak_tflops),
         strategy=e.choice.strategy,
         mesh=e.choice.mesh,
-        ranks=rank_placements(topology, cl),
+        ranks=ranks,
         memory_per_rank=e.memory,
         fits=res.fits,
         reason=reason,
@@ -374,7 +390,9 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
         micro_batch_size=e.choice.micro_batch,
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
-        explanation=tuple(_explain(res, ctx, cons, topology, suggestion)),
+        explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + describe_domains(view, real) + nic_notes
+                          + [f"left out: {x}" for x in left_out]),
+        left_out=left_out,
     )
 
 

@@ -45,7 +45,7 @@ def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
     out.append(f"gradient sync: {s.algorithm}, bucket {s.bucket_mb:g} MB, compression {s.compression}, "
                f"{s.grad_accum_steps} accumulation step(s), overlap {'on' if s.overlap else 'off'}")
     out.append("")
-    out.append("layout (rank -> node:gpu)")
+    out.append("layout (rank -> node:gpu" + ("/nic" if any(r.nic for r in plan.ranks) else "") + ")")
     out.extend(_layout_lines(plan))
     out.append("")
     out.append("why")
@@ -75,7 +75,7 @@ def _layout_lines(plan: Plan) -> list[str]:
         cells = []
         for k in range(0, len(ranks), tp):
             grp = ranks[k:k + tp]
-            cell = " ".join(f"r{r.rank}:{r.gpu}" for r in grp)
+            cell = " ".join(f"r{r.rank}:{r.gpu}" + (f"/{r.nic}" if r.nic else "") for r in grp)
             cells.append(f"[{cell}]" if tp > 1 else cell)
         lines.append(f"  {node}: " + " ".join(cells))
     return lines

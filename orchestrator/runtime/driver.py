@@ -22,6 +22,7 @@ from rich.table import Table
 from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
 from ..planning import Plan, plan_job
+from ..planning.cluster_view import plannable
 from ..rundir import RunDir
 from .curve import loss_svg
 from .metrics import record_restart
@@ -61,8 +62,8 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir) -> Plan:
-    plan = plan_job(cfg, topology)
+def _plan(cfg: JobConfig, topology, run: RunDir, left_out=()) -> Plan:
+    plan = plan_job(cfg, topology, left_out)
     run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
@@ -161,9 +162,14 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
         topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
     run.write_text("topology.json", topology.to_json())
-    use_gpu = _use_gpu(topology)
-    topology = _elastic(cfg, topology)
-    plan = _plan(cfg, topology, run)
+    for warning in dict.fromkeys(w for n in topology.nodes for w in n.warnings if _shown(w)):
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
+    view, left_out = plannable(topology)
+    use_gpu = _use_gpu(view)
+    plan = _plan(cfg, _elastic(cfg, view), run, left_out)
+    for x in plan.left_out:
+        console.print(f"left out: {escape(str(x))}")
     console.print(
         f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
         f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
@@ -175,6 +181,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             timeout_s=cfg.cluster.placement_timeout_s,
         )
     affinity = _cpu_affinity(plan, topology)
+    nccl = _nccl(plan, topology)
     try:
         run.write_json("placement.json", placement.reports)
         actors = placement.actors
@@ -182,14 +189,15 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             master = ray.get(actors[0].rendezvous_address.remote())
             with console.status("starting the process group and building the model"):
                 setups = ray.get([
-                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None)
+                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r])
                     for r, a in enumerate(actors)
                 ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
         for report, setup in zip(placement.reports, setups):
             # What each rank set up for itself: the GPUs it exposes to NCCL, the CPUs it runs on.
-            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"])
+            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"],
+                          nccl_env=setup["nccl_env"])
         run.write_json("placement.json", placement.reports)
         for note in _notes(setups):
             console.print(f"[yellow]note:[/] {escape(note)}")
@@ -203,6 +211,13 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     return plan, setups, finals, placement.reports
 
 
+def _shown(warning: str) -> bool:
+    """Probe warnings the driver repeats: those about NICs a node declares but lacks."""
+    from ..topology.local import MISSING_NIC_WARNING
+
+    return MISSING_NIC_WARNING in warning
+
+
 def _notes(setups: list[dict[str, Any]]) -> list[str]:
     """Every rank's notes, each said once, in rank order."""
     return list(dict.fromkeys(n for s in setups for n in s["notes"]))
@@ -212,6 +227,15 @@ def _cpu_affinity(plan: Plan, topology) -> list[str | None]:
     """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
     by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
     return [by_node.get(r.node, {}).get(r.gpu) for r in plan.ranks]
+
+
+def _nccl(plan: Plan, topology) -> list:
+    """Each rank's NCCL settings, decided per node from its probed topology (`nccl_env`)."""
+    from .nccl_env import nccl_setup
+
+    multi = len(set(plan.node_of_rank)) > 1
+    by_node = {n.node_id: nccl_setup(n, multi) for n in topology.nodes if n.node_id in set(plan.node_of_rank)}
+    return [by_node.get(r.node) for r in plan.ranks]
 
 
 def _elastic(cfg: JobConfig, topology):
