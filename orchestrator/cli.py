@@ -23,6 +23,7 @@ COMMANDS = {
     "logs": ("logs", "print (or follow) the output of a job on a Ray cluster"),
     "stop": ("stop", "stop a job on a Ray cluster and wait until it has ended"),
     "node-labels": ("node_labels", "print this machine's Ray node labels for `ray start --labels`"),
+    "testbed": ("testbed", "run a command on a local multi-node Ray cluster with shaped links (root)"),
 }
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from orchestrator.testbed.network import (
     NetworkSpec,
-    Shaping,
     ShapedNetworkError,
+    Shaping,
     available,
     create,
     namespaces,

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .network import NetworkSpec, Shaping, ShapedNetworkError, create, remove
+from .network import NetworkSpec, ShapedNetworkError, Shaping, create, remove
 
 _GCS_PORT = 6379
 _READY_TIMEOUT_S = 240.0
@@ -111,6 +111,11 @@ class ShapedCluster:
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        # Reachable only from inside its own namespaces, the cluster needs no token; a token
+        # mode inherited from the host would lock its own driver out.
+        env["RAY_AUTH_MODE"] = "disabled"
+        for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            env.pop(key, None)
         if self.spec.topology_file:
             env["ORCHESTRATOR_TOPOLOGY_FILE"] = str(Path(self.spec.topology_file).resolve())
         else:
