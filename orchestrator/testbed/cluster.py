@@ -116,6 +116,9 @@ class ShapedCluster:
         env["RAY_AUTH_MODE"] = "disabled"
         for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
             env.pop(key, None)
+        # gloo binds to the address the host name resolves to, which inside a namespace is
+        # nobody's; the node's own interface is the one its peers reach.
+        env["GLOO_SOCKET_IFNAME"] = "eth0"
         if self.spec.topology_file:
             env["ORCHESTRATOR_TOPOLOGY_FILE"] = str(Path(self.spec.topology_file).resolve())
         else:
@@ -144,6 +147,10 @@ class ShapedCluster:
             while "Ray runtime started" not in log.read_text(errors="replace"):
                 if self._procs[i].poll() is not None:
                     tail = log.read_text(errors="replace").strip().splitlines()[-1:]
+                    # Ray gives a raylet 30 s to register, which a loaded host can miss: try again.
+                    if tail and "timed out during startup" in tail[0] and time.monotonic() < deadline:
+                        self._procs[i] = self._start_node(i, self.addresses[i])
+                        continue
                     raise ShapedNetworkError(f"Ray node {i} exited with code {self._procs[i].returncode}: "
                                        f"{tail[0] if tail else 'no output'}")
                 if time.monotonic() > deadline:
