@@ -34,7 +34,7 @@ from typing import Any
 
 from _common import ROOT, parse_args, print_table, rel_error, write_result
 
-MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=256", "model.vocab_size=50304", "model.block_size=64"]
+MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=256", "model.vocab_size=50304", "model.block_size=32"]
 WARMUP_STEPS = 5  # lazily built buffers, first gloo connections, the allocator
 
 
@@ -44,7 +44,7 @@ def _extra(ap) -> None:
     ap.add_argument("--inter-gbit", type=float, default=1.0, help="inter-node link, Gbit/s per direction")
     ap.add_argument("--inter-ms", type=float, default=1.0, help="inter-node one-way delay, ms")
     ap.add_argument("--steps", type=int, default=25, help="training steps per run")
-    ap.add_argument("--batch", type=int, default=8, help="global batch size (sequences)")
+    ap.add_argument("--batch", type=int, default=4, help="global batch size (sequences)")
 
 
 def _in_head(cluster, args: list[str], env: dict[str, str]) -> str:
@@ -71,7 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     spec = ClusterSpec(nodes=args.nodes, slots_per_node=args.per_node, shaping=Shaping(args.inter_gbit, args.inter_ms))
-    workers = args.nodes * args.per_node
     with tempfile.TemporaryDirectory(prefix="topology-gain-") as tmp, ShapedCluster(spec) as cluster:
         env = {"ORCHESTRATOR_MEASURE_CACHE": f"{tmp}/measure"}
         print(f"shaped cluster up: {args.nodes} nodes x {args.per_node} slots, {args.inter_gbit} Gbit/s, "
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         common = [*MODEL, f"train.global_batch_size={args.batch}", f"train.max_steps={args.steps}",
                   f"train.eval_interval={args.steps}", "train.eval_iters=1", "checkpoint.enabled=false",
                   "monitor.progress=false", "monitor.dashboard=false", "cluster.address=auto",
-                  f"cluster.num_workers={workers}", "cluster.measure=true"]
+                  f"cluster.num_workers={args.per_node}", "cluster.measure=true"]
         runs = Path(tmp) / "runs"
         aware = _submit(cluster, env, runs / "aware", common)
         print(f"aware: {aware}", flush=True)
