@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                "delay_applied": cluster.delay_applied, "measured_inter_gbit": measured_gbit,
                "measured_inter_latency_us": net["latency_us"], "aware_step_s": a, "blind_step_s": b,
                "predicted_aware_step_s": p, "speedup": b / a if a and b else None,
+               # the runs are sequential: a host busy with other work skews one against the other
+               "load_average_at_end": __import__("os").getloadavg()[0],
                "predicted_error": rel_error(p, a) if a else None}
     out = write_result("topology_gain", {**summary, "aware": aware, "blind": blind, "model": MODEL,
                                          "seconds": time.perf_counter() - t0}, args)
