@@ -179,9 +179,10 @@ def _shape(dev: str, ns: str, shaping: Shaping, delay: bool) -> None:
         parent = ["parent", "1:1"]
     if shaping.rate_gbit > 0:
         rate_bytes = shaping.rate_gbit * 1e9 / 8
-        # tbf refills once per timer tick and must hold a whole GSO packet (64 KiB): a bucket
-        # of 2 ms of traffic does both without letting bursts blur the rate.
-        burst = max(int(rate_bytes * 0.002), 256 << 10)
+        # The bucket must hold a whole GSO packet (64 KiB); any more lets each message of a
+        # ping-pong start with a free burst, which a real NIC does not give and which makes a
+        # probe overrate the link. 200 us of traffic where that is larger (fast links).
+        burst = max(int(rate_bytes * 0.0002), 96 << 10)
         _run(["tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
               "rate", f"{shaping.rate_gbit * 1000:.0f}mbit", "burst", str(burst), "latency", "200ms"], ns=ns)
 
