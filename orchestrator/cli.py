@@ -25,6 +25,7 @@ COMMANDS = {
     "prepare": ("prepare", "tokenize text (a file, a directory, JSONL) into a token file to train on"),
     "export": ("export", "write a run's final weights as safetensors (a transformers GPT-2 model)"),
     "node-labels": ("node_labels", "print this machine's Ray node labels for `ray start --labels`"),
+    "testbed": ("testbed", "run a command on a local multi-node Ray cluster with shaped links (root)"),
 }
 
 

@@ -62,7 +62,8 @@ def test_activation_bytes_follow_korthikanti():
     shape = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
     sbh = 2048 * 12288
     assert activation_bytes_per_layer(shape, 1) == pytest.approx(sbh * (34 + 5 * 96 * 2048 / 12288))
-    assert activation_bytes_per_layer(shape, 1, tp=8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * 96 * 2048 / (12288 * 8)))
+    assert activation_bytes_per_layer(shape, 1, tp=8) == \
+        pytest.approx(sbh * (10 + 24 / 8 + 5 * 96 * 2048 / (12288 * 8)))
     assert activation_bytes_per_layer(shape, 1, tp=8, sequence_parallel=True) == \
         pytest.approx(sbh * (34 / 8 + 5 * 96 * 2048 / (12288 * 8)))
     assert activation_bytes_per_layer(shape, 1, tp=8, sequence_parallel=True, recompute="selective") == \
@@ -282,9 +283,12 @@ def test_gloo_hierarchical_all_reduce_is_priced_from_gloo_collectives():
     hier, sched = group_all_reduce(n, g, "hierarchical")
     assert sched == "hierarchical (gloo ring between nodes)"
     assert hier == pytest.approx(gloo_reduce_scatter(n, 2, 5.0, 20.0, mem) + gloo_all_gather(n, 2, 5.0, 20.0, mem)
-                                 + gloo_all_reduce(n / 2, 2, 0.5, 50.0, mem))
+                                 + gloo_all_reduce(n / 2, 2, 0.5, 50.0, mem, over_wire=True))
     flat, fsched = group_all_reduce(n, g, "flat")
     assert fsched == "flat gloo ring"
+    # the flat ring's bottleneck is the network: priced as a full-duplex wire, not one host's TCP
+    assert flat == pytest.approx(gloo_all_reduce(n, 4, 1.0, 50.0, mem, over_wire=True))
+    assert flat < gloo_all_reduce(n, 4, 1.0, 50.0, mem)
     assert group_all_reduce(n, g, "auto") == min((hier, sched), (flat, fsched))
 
 
