@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     for col in ("job", "status", "started", "duration", "message"):
         table.add_column(col, overflow="fold")
     for job in jobs:
-        table.add_row(job.job_id, job.status, _when(job.start_time), _duration(job), job.message.splitlines()[0] if job.message else "")
+        message = job.message.splitlines()[0] if job.message else ""
+        table.add_row(job.job_id, job.status, _when(job.start_time), _duration(job), message)
     console.print(table)
     return 0
