@@ -85,6 +85,17 @@ def open_tokens(path: str | os.PathLike) -> np.ndarray:
     return _random_access(np.memmap(p, dtype=dtype.newbyteorder("<"), mode="r"))
 
 
+def release(arr: np.ndarray) -> None:
+    """Unmap the pages of a mapped token file this process has touched (they stay in the page
+    cache). The kernel maps whole page-cache folios around every sample read, so without this a
+    rank's resident set would grow with every distinct sample over a long run, toward the
+    file's size; after it, a rank holds about one batch. nanoGPT re-creates its memmap every
+    batch for the same reason."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)
+
+
 def _npy_header(p: Path) -> tuple[tuple[int, ...], np.dtype, int]:
     """(shape, dtype, data offset) from a .npy header, without touching the data."""
     try:

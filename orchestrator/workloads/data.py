@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tokenfiles import DataError, open_tokens
+from ..tokenfiles import DataError, open_tokens, release
 
 
 def builtin_text() -> str:
@@ -67,6 +67,7 @@ class TextData:
         split = self.train if which == "train" else self.val
         # One contiguous slice per sample: a memory map reads just those pages.
         seq = np.stack([split[o:o + self.block_size + 1] for o in offsets.tolist()]).astype(np.int64)
+        release(split)  # the batch is copied out: a rank keeps about one batch of the file resident
         if self.vocab_size is not None and seq.size and (seq.max() >= self.vocab_size or seq.min() < 0):
             bad = int(seq.max()) if seq.max() >= self.vocab_size else int(seq.min())
             row = int(np.argwhere((seq >= self.vocab_size) | (seq < 0))[0][0])
