@@ -50,8 +50,6 @@ def _stop_on_sigterm() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     if args.address:
         from ..remote import submit_remote
 
@@ -64,14 +62,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
         return 0
 
-    from ..cluster import connect
     from ..config import load_config
-    from ..rundir import RunDir
-    from ..runtime.driver import run_job
 
     _stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
-    resume = resume_checkpoint(args.resume) if args.resume else None
+    submit_job(cfg, args.resume)
+    return 0
+
+
+def submit_job(cfg, resume_dir: str | None = None, model_fn=None) -> dict:
+    """Measure the model, connect, create the run directory and run the driver: the one path of
+    the `submit` command and of `orchestrator.submit` in Python. Returns the run's summary."""
+    from rich.console import Console
+
+    from ..cluster import connect
+    from ..model_source import inside_ray_job, model_modules
+    from ..rundir import RunDir
+    from ..runtime.driver import measure_model, run_job
+
+    resume = resume_checkpoint(resume_dir) if resume_dir else None
     if resume:
         from ..errors import ConfigError
         from ..runtime.checkpoint import read_meta
@@ -85,9 +94,14 @@ def run(args: argparse.Namespace) -> int:
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
-    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
+    # A model that breaks the contract fails here, in one line, before any cluster or run directory.
+    spec = measure_model(cfg, model_fn)
+    # The user's model module travels with the job (a Jobs API entrypoint's own env carries it already).
+    modules = [] if inside_ray_job() else model_modules(cfg.model, model_fn)
+    runtime_env = {"py_modules": modules} if modules else None
+    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard,
+                 runtime_env=runtime_env) as dashboard_url:
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
         console.print(f"run directory: {run_dir.path}", markup=False)
-        run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
-    return 0
+        return run_job(cfg, run_dir, console, dashboard_url, resume_from=resume, model_fn=model_fn, spec=spec)

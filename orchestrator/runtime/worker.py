@@ -107,7 +107,7 @@ class Worker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
-              cpu_affinity: str | None = None) -> dict[str, Any]:
+              cpu_affinity: str | None = None, model_fn=None) -> dict[str, Any]:
         """Join the process group, build the model under the plan, and load `resume_from` if given.
         `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology."""
         import torch
@@ -135,7 +135,7 @@ class Worker:
             device = torch.device("cpu")
             backend = "gloo"
         init_process_group(self.rank, self.world, master[0], master[1], backend)
-        self.trainer = Trainer(cfg, plan, device)
+        self.trainer = Trainer(cfg, plan, device, model_fn)
         self.metrics = TrainMetrics(cfg.name, self.rank)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
