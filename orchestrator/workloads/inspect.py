@@ -56,8 +56,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     blocks = block_list(model)
     n = len(blocks)
     block_params = sum(distinct_params(b) for b in blocks) // n
-    seen: dict[str, Any] = {"hidden": None, "inside": False, "bytes": 0.0, "keys": set()}
-    weights = {_storage_key(p) for p in model.parameters()}
+    seen: dict[str, Any] = {"hidden": None, "inside": False, "bytes": 0.0, "keys": set(), "alive": []}
 
     def pre(mod, args, kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
@@ -72,6 +71,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         key = _storage_key(t)
         if seen["inside"] and key not in weights and key not in seen["keys"]:
             seen["keys"].add(key)
+            seen["alive"].append(t)  # held, so no later storage can take this one's address
             seen["bytes"] += t.untyped_storage().nbytes()
         return t
 
@@ -81,6 +81,8 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     # The blocks repeat, so one is measured: the forward runs with the list cut to its first block
     # (an op under FlopCounterMode on meta tensors costs milliseconds; a 70B model has 80 blocks).
     del blocks[1:]
+    # Keys of the weights left: a storage freed with the cut blocks may be reused by an activation.
+    weights = {_storage_key(p) for p in model.parameters()}
     h1 = blocks[0].register_forward_pre_hook(pre, with_kwargs=True)
     h2 = blocks[0].register_forward_hook(post)
     seq = m.block_size
