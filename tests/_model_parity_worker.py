@@ -116,7 +116,7 @@ def reference(name: str) -> list[float]:
     return losses
 
 
-def _case(name: str, strategy: str, mesh: Mesh) -> list[float]:
+def _case(name: str, strategy: str, mesh: Mesh) -> dict:
     dmesh = build_mesh(mesh, "cpu")
     dp_rank, dp_world = data_parallel_rank(dmesh)
     ex = resolve(strategy, mesh, precision="fp32", device="cpu")
@@ -132,7 +132,9 @@ def _case(name: str, strategy: str, mesh: Mesh) -> list[float]:
         local = loss.detach().clone()
         dist.all_reduce(local)
         losses.append(float(local) / WORLD)
-    return losses
+    states = [None] * WORLD
+    dist.all_gather_object(states, par.state_bytes())  # the steady-state model states of every rank
+    return {"losses": losses, "states": states}
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -148,8 +150,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run_all() -> dict[str, list[float]]:
-    """Every (model, strategy) trajectory of 4 ranks."""
+def run_all() -> dict[str, dict]:
+    """Every (model, strategy) case of 4 ranks: its loss trajectory and every rank's model-state bytes."""
     import socket
 
     import torch.multiprocessing as mp
