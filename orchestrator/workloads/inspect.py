@@ -4,12 +4,14 @@ autograd saves per block, and hand back a `ModelSpec` (pure data)."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ModelConfig
@@ -38,6 +40,29 @@ def _tp_sharded(model: nn.Module, plan: dict[str, str] | None) -> int:
         if style == "colwise" and getattr(mod, "bias", None) is not None:
             total += mod.bias.numel()
     return total
+
+
+@contextlib.contextmanager
+def _fused_attention() -> Iterator[None]:
+    """Route unmasked scaled_dot_product_attention to the fused (flash) kernel, which has a meta
+    implementation and keeps only q, k, v, the output and its log-sum-exp for backward."""
+    original = F.scaled_dot_product_attention
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None:
+            return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                            enable_gqa=enable_gqa)
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -89,8 +114,12 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
     try:
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter:
             out = model(ids)
+        # Activations in a second pass, with the fused attention kernel a real run uses (meta
+        # tensors take the math path, which keeps the s x s attention matrix a real run does not).
+        with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids)
     except Exception as e:  # noqa: BLE001 - the user's forward, reported in one line
         raise ConfigError(f"key 'model.factory': the forward of {name} on token ids [1, {seq}] failed: "
                           f"{type(e).__name__}: {e}") from e
