@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,10 +20,25 @@ from omegaconf.errors import OmegaConfBaseException
 from .choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from .errors import ConfigError
 
+GPT_FACTORY = "orchestrator.workloads.gpt:build"
+"""The built-in GPT's factory: the default model."""
+
 
 @dataclass
 class ModelConfig:
-    """The GPT decoder (nanoGPT's names)."""
+    """The model: the built-in GPT (nanoGPT's names below), or any factory by import path."""
+
+    factory: str = GPT_FACTORY
+    """`package.module:callable` returning an `nn.Module` whose forward maps token ids [B, T] to logits
+    [B, T, V] (or an object with `.logits`); importable here and shipped to every worker. The
+    built-in Llama family is `orchestrator.workloads.llama:build` (`args: {preset: llama3-8b}`)."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `factory`. The built-in GPT also receives the n_layer ... bias fields below."""
+    hf_config: Optional[str] = None
+    """A Hugging Face `config.json` to build a `transformers` causal LM from (random init; needs `.[hf]`);
+    overrides `factory`. Nothing is ever downloaded."""
+    hf_weights: Optional[str] = None
+    """Local `.safetensors` weights to load into the `hf_config` model."""
 
     n_layer: int = 4
     """Number of transformer blocks."""
@@ -323,7 +338,13 @@ def validate(cfg: JobConfig) -> None:
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
     if p.bucket_mb != "auto" and (isinstance(p.bucket_mb, str) or p.bucket_mb <= 0):
         raise ConfigError(f"key 'parallel.bucket_mb': expected 'auto' or a positive number, got {p.bucket_mb!r}")
-    if p.tp != "auto" and m.n_head % p.tp:
+    if m.hf_config is not None and not Path(m.hf_config).is_file():
+        raise ConfigError(f"key 'model.hf_config': no such file {m.hf_config}")
+    if m.hf_weights is not None and (m.hf_config is None or not Path(m.hf_weights).is_file()):
+        raise ConfigError(f"key 'model.hf_weights': needs model.hf_config and an existing file, got {m.hf_weights}")
+    if ":" not in m.factory:
+        raise ConfigError(f"key 'model.factory': expected 'package.module:callable', got {m.factory!r}")
+    if p.tp != "auto" and m.factory == GPT_FACTORY and m.hf_config is None and m.n_head % p.tp:
         raise ConfigError(f"key 'parallel.tp': must divide model.n_head ({m.n_head}), got {p.tp}")
     _positive(cfg.cluster.num_workers, "cluster.num_workers")
     _positive(cfg.cluster.cpus_per_worker, "cluster.cpus_per_worker")

@@ -189,13 +189,18 @@ def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bo
             f"put it inside, or run submit from a directory that contains it"
         )
     job_rel = job_path.relative_to(workdir).as_posix()
+    from .model_source import model_modules
+
+    # The model's module, when it lives outside the shipped directory (e.g. on PYTHONPATH).
+    modules = [p for p in model_modules(cfg.model) if Path(p) != workdir and workdir not in Path(p).parents]
     submission_id = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     c = client(address)
     try:
         job_id = c.submit_job(
             entrypoint=entrypoint(job_rel, list(overrides), verbose),
             submission_id=submission_id,
-            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES, "env_vars": {REMOTE_RUN_ENV: "1"}},
+            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES, "env_vars": {REMOTE_RUN_ENV: "1"},
+                         **({"py_modules": modules} if modules else {})},
             metadata={"orchestrator_job": cfg.name},
         )
     except Exception as e:

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 from orchestrator.errors import PlanError
 from orchestrator.runtime.comm_hooks import hierarchy_groups, register_ddp_sync
 from orchestrator.runtime.parallelize import ParallelSpec, param_dtype_for
-from orchestrator.runtime.tensor_parallel import BLOCK_PLAN_NAMES, apply_tensor_parallel
+from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
+from orchestrator.workloads.gpt import GPT
 
 CASES = {c.name: c for c in pw.CASES}
 
@@ -187,7 +188,8 @@ def test_dcp_checkpoint_reshards_across_strategies(name, results, references) ->
 
 
 def _is_tp_sharded(param_name: str) -> bool:
-    for module, style in BLOCK_PLAN_NAMES.items():
+    for pattern, style in GPT.tp_plan.items():
+        module = pattern.removeprefix("h.*.")
         # Row-parallel biases are added after the all-reduce, so they stay whole.
         if param_name.endswith(f"{module}.weight") or (style == "colwise" and param_name.endswith(f"{module}.bias")):
             return True
@@ -270,10 +272,10 @@ class _MeshOfSize:
 
 def test_tensor_parallel_needs_whole_heads() -> None:
     model = pw.fresh_model()  # 4 heads
-    with pytest.raises(PlanError, match=re.escape("tp=3 must divide model.n_head=4")):
+    with pytest.raises(PlanError, match=re.escape("tp=3 must divide the model's 4 attention heads")):
         apply_tensor_parallel(model, _MeshOfSize(3))
 
 
-def test_tensor_parallel_needs_the_gpt_blocks() -> None:
-    with pytest.raises(PlanError, match=re.escape("tensor parallelism (tp=2) needs the GPT workload")):
+def test_tensor_parallel_needs_a_declared_plan() -> None:
+    with pytest.raises(PlanError, match=re.escape("tp=2) needs a model that declares a tensor-parallel plan")):
         apply_tensor_parallel(torch.nn.Linear(4, 4), _MeshOfSize(2))

@@ -65,6 +65,7 @@ def live_topology(cfg: JobConfig) -> ClusterTopology:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..model_source import is_builtin_gpt
     from ..planning import plan_job
     from ..planning.render import render_svg, render_text
 
@@ -85,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
                           "(or cluster.topology_file)")
     else:
         topo = live_topology(cfg)
-    plan = plan_job(cfg, topo)
+    spec = None
+    if not is_builtin_gpt(cfg.model):
+        # Deferred: measuring a model imports torch, which planning the built-in GPT never needs.
+        from ..workloads.inspect import model_spec
+
+        spec = model_spec(cfg.model)
+    plan = plan_job(cfg, topo, spec=spec)
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))
     if args.json:

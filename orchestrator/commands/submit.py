@@ -45,8 +45,6 @@ def resume_checkpoint(run_dir: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     if args.address:
         from ..remote import submit_remote
 
@@ -62,17 +60,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
         return 0
 
-    from ..cluster import connect
     from ..config import load_config
-    from ..rundir import RUN_DIR_LINE, RunDir, anchored
-    from ..runtime.worker_logs import WorkerLogs
     from ..signals import stop_on_sigterm
 
     stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
+    submit_job(cfg, args.resume, job=args.job, verbose=args.verbose)
+    return 0
+
+
+def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | None = None,
+               verbose: bool = False) -> dict:
+    """Measure the model, connect, create the run directory and run the driver: the one path of
+    the `submit` command and of `orchestrator.submit` in Python. Returns the run's summary.
+    `job` names the job file in the hint a stopped run prints; `verbose` shows every worker line."""
+    from rich.console import Console
+
+    from ..cluster import connect
+    from ..model_source import inside_ray_job, model_modules
+    from ..rundir import RUN_DIR_LINE, RunDir, anchored
+    from ..runtime.driver import measure_model
+    from ..runtime.worker_logs import WorkerLogs
+    from ..signals import stop_on_sigterm
+
     cfg.monitor.runs_dir = anchored(cfg.monitor.runs_dir)
     cfg.checkpoint.path = anchored(cfg.checkpoint.path)
-    resume = resume_checkpoint(args.resume) if args.resume else None
+    resume = resume_checkpoint(resume_dir) if resume_dir else None
     if resume:
         from ..errors import ConfigError
         from ..runtime.checkpoint import read_meta
@@ -90,23 +103,30 @@ def run(args: argparse.Namespace) -> int:
 
         require_safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
-    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
+    # A model that breaks the contract fails here, in one line, before any cluster or run directory.
+    spec = measure_model(cfg, model_fn)
+    # The user's model module travels with the job (a Jobs API entrypoint's own env carries it already).
+    modules = [] if inside_ray_job() else model_modules(cfg.model, model_fn)
+    runtime_env = {"py_modules": modules} if modules else None
+    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard,
+                 runtime_env=runtime_env) as dashboard_url:
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
         console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
-        with WorkerLogs(run_dir, console, verbose=args.verbose):
-            _run_until_stopped(cfg, args.job, run_dir, console, dashboard_url, resume)
+        with WorkerLogs(run_dir, console, verbose=verbose):
+            summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec)
     if cfg.checkpoint.export:
         from ..export import export_run
 
         with console.status("exporting the final weights"):
             out = export_run(run_dir.path, run_dir.path / "export")
         console.print(f"exported the final weights to {out}", markup=False)
-    return 0
+    return summary
 
 
-def _run_until_stopped(cfg, job: str, run_dir, console, dashboard_url: str | None, resume: str | None) -> None:
+def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: str | None, resume: str | None,
+                       model_fn=None, spec=None) -> dict:
     """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
     driver has released its actors and placement group by then)."""
     import time
@@ -117,15 +137,15 @@ def _run_until_stopped(cfg, job: str, run_dir, console, dashboard_url: str | Non
 
     t0 = time.monotonic()
     try:
-        run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
+        return run_job(cfg, run_dir, console, dashboard_url, resume_from=resume, model_fn=model_fn, spec=spec)
     except KeyboardInterrupt as e:
         name = signal_name(e)
         summary = stopped_summary(cfg, run_dir, name, time.monotonic() - t0, resume)
         run_dir.write_json("summary.json", summary)
         said = f"stopped by {name} at step {summary['steps']}/{cfg.train.max_steps}; "
         if summary["checkpoints"]:
-            said += (f"last checkpoint {summary['checkpoints'][-1]}; continue with "
-                     f"`python -m orchestrator submit {job} --resume {run_dir.path}`")
+            said += f"last checkpoint {summary['checkpoints'][-1]}; continue with "
+            said += f"`python -m orchestrator submit {job or 'JOB'} --resume {run_dir.path}`"
         else:
             said += "no checkpoint was committed yet"
         console.print(said, markup=False)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -21,6 +22,7 @@ from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
+from .model_spec import ModelSpec
 from .nics import assign_nics
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
@@ -39,6 +41,14 @@ class ModelSummary:
     """Model FLOPs of one optimizer step (MFU's numerator)."""
     peak_tflops_per_rank: float
     """The device peak the compute model used; MFU is measured against it."""
+    name: str = "gpt"
+    """The model's factory (`module:callable`) or architecture; `gpt` for the built-in GPT."""
+    blocks: int = 0
+    """Repeated blocks (the unit of FSDP wrapping and activation checkpointing)."""
+    block_class: str = "Block"
+    """Class name of the repeated block."""
+    tp_plan: bool = True
+    """Whether the model declares a tensor-parallel plan (without one the plan keeps tp=1)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,11 +223,16 @@ def _gb(x: float) -> str:
     return f"{x / GB:.2f} GB" if abs(x) >= 0.1 * GB else f"{x / 1e6:.1f} MB"
 
 
-def job_context(cfg: JobConfig, topology: ClusterTopology) -> JobContext:
+def model_shape(cfg: JobConfig, spec: ModelSpec | None = None) -> ModelShape:
+    """The model the planner prices: the measured `spec`, or the built-in GPT's formulas."""
+    return ModelShape.from_config(cfg.model) if spec is None else ModelShape.from_spec(spec)
+
+
+def job_context(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None) -> JobContext:
     """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
     byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
     and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
-    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, ModelShape.from_config(cfg.model))
+    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, model_shape(cfg, spec))
 
 
 def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobContext:
@@ -332,34 +347,44 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         lines.append(why)
     elif suggestion:
         lines.append(suggestion)
+    if not ctx.shape.tp_capable:
+        lines.append("tensor parallelism: none, the model declares no tensor-parallel plan")
     lines += [f"runs as: {note}" for note in e.execution.notes]
     return lines
 
 
-def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut, ...] = ()) -> Plan:
+def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut, ...] = (),
+             spec: ModelSpec | None = None) -> Plan:
     """Plan `cfg` on `topology`: the fastest plan that fits, or, when the config forces choices
     that cannot fit, the forced plan with fits=False and the reason. PlanError only when
     nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides).
 
     Nodes `plannable` leaves out (GPU-less nodes of a GPU cluster) run no rank; `left_out`
-    adds those a caller already set aside, so the plan names them all."""
+    adds those a caller already set aside, so the plan names them all. `spec` is the measured
+    model (`workloads.inspect.model_spec`); None plans the built-in GPT of `cfg.model` by its
+    formulas."""
     real, more = plannable(topology)
     left_out = tuple(left_out) + more
     view = nvlink_view(real)
     topology = view.topology
-    shape = ModelShape.from_config(cfg.model)
+    shape = model_shape(cfg, spec)
     ctx = _context(cfg, topology, shape)
+    if not shape.tp_capable and cfg.parallel.tp not in ("auto", 1):
+        raise PlanError(f"key 'parallel.tp': {spec.name if spec else 'the model'} declares no tensor-parallel plan, "
+                        f"so only tp=1 can run; got {cfg.parallel.tp}")
+    # A model without a tensor-parallel plan gets none: no head count but 1 divides by tp > 1.
+    tp_heads = (math.gcd(spec.heads, spec.kv_heads) if spec else shape.heads) if shape.tp_capable else 1
     try:
         wirings = Wirings.of(topology)
     except ValueError as e:
         raise PlanError(f"cannot lay out ranks: {e}") from e
     cons = Constraints.from_config(cfg)
-    res = search(ctx, wirings, cons, shape.heads)
+    res = search(ctx, wirings, cons, tp_heads)
     if res.best is None:
         raise PlanError(_nothing_plannable(cfg, wirings, cons, shape, res))
     suggestion = ""
     if not res.fits and cons.forced():
-        free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), shape.heads)
+        free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), tp_heads)
         if free.best is not None and free.fits:
             c = free.best.choice
             suggestion = (f"without the forced choices, {c.strategy} on {c.mesh} with micro-batch "
@@ -376,7 +401,9 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
     nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
     return Plan(
         model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
-                           peak_tflops_per_rank=ctx.speed.peak_tflops),
+                           peak_tflops_per_rank=ctx.speed.peak_tflops, name=spec.name if spec else "gpt",
+                           blocks=shape.layers, block_class=spec.block_class if spec else "Block",
+                           tp_plan=shape.tp_capable),
         strategy=e.choice.strategy,
         mesh=e.choice.mesh,
         ranks=ranks,

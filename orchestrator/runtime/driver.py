@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
 from ..planning import Plan, plan_job
 from ..planning.cluster_view import plannable
+from ..planning.model_spec import ModelSpec
 from ..rundir import RunDir
 from .curve import loss_svg
 from .metrics import record_restart
@@ -38,6 +40,10 @@ class RunState:
     val: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
+    model_fn: Callable[..., Any] | None = None
+    """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
+    spec: ModelSpec | None = None
+    """The measured model the planner prices; None for the built-in GPT (its formulas)."""
 
     @property
     def last_step(self) -> int:
@@ -62,8 +68,16 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir, left_out=()) -> Plan:
-    plan = plan_job(cfg, topology, left_out)
+def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> ModelSpec | None:
+    """The model's spec, measured on the meta device; None for the built-in GPT. ConfigError
+    (one line naming the key) for a model that breaks the contract."""
+    from ..workloads.inspect import is_builtin_gpt, model_spec
+
+    return None if is_builtin_gpt(cfg.model, model_fn) else model_spec(cfg.model, model_fn)
+
+
+def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None) -> Plan:
+    plan = plan_job(cfg, topology, left_out, spec)
     run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
@@ -96,15 +110,19 @@ def run_job(
     console: Console,
     dashboard_url: str | None = None,
     resume_from: str | None = None,
+    model_fn: Callable[..., Any] | None = None,
+    spec: ModelSpec | None = None,
 ) -> dict[str, Any]:
     """Run the job on the connected Ray cluster, restarting after failures up to
-    `train.max_failures` times; returns the summary written to summary.json."""
+    `train.max_failures` times; returns the summary written to summary.json. `model_fn` builds
+    the model instead of `model.factory` (the Python API); `spec` is its measurement
+    (`measure_model`), made here when not given."""
     t_start = time.monotonic()
+    state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn))
     run.write_text("config.yaml", to_yaml(cfg))
     if dashboard_url:
         console.print(f"Ray dashboard: http://{dashboard_url}")
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
-    state = RunState()
     resume = resume_from
     while True:
         try:
@@ -167,7 +185,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
     view, left_out = plannable(topology)
     use_gpu = _use_gpu(view)
-    plan = _plan(cfg, _elastic(cfg, view), run, left_out)
+    plan = _plan(cfg, _elastic(cfg, view), run, left_out, state.spec)
     for x in plan.left_out:
         console.print(f"left out: {escape(str(x))}")
     console.print(
@@ -189,7 +207,8 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             master = ray.get(actors[0].rendezvous_address.remote())
             with console.status("starting the process group and building the model"):
                 setups = ray.get([
-                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r])
+                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r],
+                                   state.model_fn)
                     for r, a in enumerate(actors)
                 ])
         except (RayActorError, RayTaskError) as e:

@@ -109,7 +109,7 @@ class Worker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
-              cpu_affinity: str | None = None, nccl: NcclSetup | None = None) -> dict[str, Any]:
+              cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None) -> dict[str, Any]:
         """Join the process group, build the model under the plan, and load `resume_from` if given.
         `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology;
         `nccl` what NCCL should be told about this node (`nccl_env`)."""
@@ -141,7 +141,7 @@ class Worker:
         nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
         init_process_group(self.rank, self.world, master[0], master[1], backend)
-        self.trainer = Trainer(cfg, plan, device)
+        self.trainer = Trainer(cfg, plan, device, model_fn)
         self.metrics = TrainMetrics(cfg.name, self.rank)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
