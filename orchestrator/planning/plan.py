@@ -16,7 +16,7 @@ from ..errors import PlanError
 from ..topology.model import ClusterTopology
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed
-from .cost import Estimate, JobContext, execution
+from .cost import Estimate, JobContext
 from .gpus import known_names
 from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
@@ -412,8 +412,9 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
         reason=reason,
         step_time=StepTime(e.compute_s, e.comm_s, e.exposed_comm_s, e.total_s),
         sync=e.sync,
-        # What runs is resolved once more with the concrete choices the estimate made.
-        execution=execution(ctx, replace(e.choice, algorithm=e.sync.algorithm), bucket_mb=e.sync.bucket_mb),
+        # What was priced, with the schedule and bucket the estimate settled on; its notes say
+        # what runs differently from the request, for the explanation and the runtime alike.
+        execution=replace(e.execution, sync_algorithm=e.sync.algorithm, bucket_mb=e.sync.bucket_mb),
         micro_batch_size=e.choice.micro_batch,
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
