@@ -21,7 +21,8 @@ from orchestrator.topology.model import Device, NodeTopology, cpu_node
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 FIXTURES = ROOT / "tests/fixtures/topology"
-LAUNCHER = {"aws-p4d.yaml": ("p4d.24xlarge", 4), "aws-p5.yaml": ("p5.48xlarge", 32), "gcp-a3-high.yaml": ("a3-highgpu-8g", 0)}
+LAUNCHER = {"aws-p4d.yaml": ("p4d.24xlarge", 4), "aws-p5.yaml": ("p5.48xlarge", 32),
+            "gcp-a3-high.yaml": ("a3-highgpu-8g", 0)}
 LABELS_CMD = '--labels "$(python3 -m orchestrator node-labels)"'
 
 
@@ -57,7 +58,8 @@ def test_launcher_config_passes_ray_validation(name):
         assert LABELS_CMD in start and "--metrics-export-port=8080" in start and "RAY_AUTH_MODE=token" in start
     if efa_cards:
         nics = node_config["NetworkInterfaces"]
-        assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(efa_cards)), "one EFA interface per network card"
+        assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(efa_cards)), \
+            "one EFA interface per network card"
         assert [n["DeviceIndex"] for n in nics].count(0) == 1
         assert all(n["InterfaceType"] in ("efa", "efa-only") and n["SubnetId"] and n["Groups"] for n in nics)
         # Ray's AWS bootstrap refuses subnets or groups outside the interfaces when they are set.
@@ -92,7 +94,8 @@ def test_kuberay_manifest_fields(name):
     assert head["rayStartParams"]["metrics-export-port"] == "8080"
     assert head["rayStartParams"]["num-gpus"] == "0"
     groups = spec["workerGroupSpecs"]
-    assert groups and all("rayStartParams" in g and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] for g in groups)
+    assert groups
+    assert all("rayStartParams" in g and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] for g in groups)
     for template in [head["template"]] + [g["template"] for g in groups]:
         assert template["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
         (container,) = template["spec"]["containers"]
@@ -134,7 +137,8 @@ def test_labels_of_real_captures(fixture, gpus, domain_size, rails):
 
 
 def test_labels_name_the_gpu_model_and_the_fabric_clique():
-    devices = [Device(index=i, name="NVIDIA GB200", fabric_clique="8f0e2a6c-1d2b-4c1e-9a8e-0b4b1c1d2e3f/7") for i in range(4)]
+    clique = "8f0e2a6c-1d2b-4c1e-9a8e-0b4b1c1d2e3f/7"
+    devices = [Device(index=i, name="NVIDIA GB200", fabric_clique=clique) for i in range(4)]
     node = NodeTopology(hostname="nvl72-tray-3", devices=devices, nvlink_domains=[[0, 1, 2, 3]], source="nvml")
     labels = node_labels(node)
     assert _ray_accepts(labels) == labels

@@ -71,7 +71,8 @@ class TwoNodeCluster:
         """Ray node id -> metrics export port, for the alive nodes."""
         import requests
 
-        r = requests.get(f"{self.dashboard}/nodes?view=summary", headers={"authorization": f"Bearer {self.token}"}, timeout=10)
+        r = requests.get(f"{self.dashboard}/nodes?view=summary", headers={"authorization": f"Bearer {self.token}"},
+                         timeout=10)
         r.raise_for_status()
         out = {}
         for n in r.json()["data"]["summary"]:
@@ -147,7 +148,8 @@ def cluster():
     # Short paths: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
     head_tmp = Path(tempfile.mkdtemp(prefix="orxh-", dir="/tmp"))
     worker_tmp = Path(tempfile.mkdtemp(prefix="orxw-", dir="/tmp"))
-    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}", '--resources={"accelerator_type:fake": 1}']
+    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}",
+                '--resources={"accelerator_type:fake": 1}']
     c = TwoNodeCluster(dashboard=f"http://127.0.0.1:{dash_port}", gcs=f"127.0.0.1:{gcs_port}", token=token)
     try:
         c.nodes.append(_start_node(
@@ -276,7 +278,8 @@ def test_metrics_exported_with_tags_then_stop_ends_job(authed):
     for name in ("ray_orchestrator_tokens_per_second", "ray_orchestrator_mfu", "ray_orchestrator_memory_bytes",
                  "ray_orchestrator_step_time_seconds_bucket", "ray_orchestrator_steps_total"):
         assert re.search(rf'^{name}{{[^}}]*rank="1"', text, re.M), f"{name} missing from the export"
-    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job="metricsjob"', text, re.M), "a None val_loss was exported"
+    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job="metricsjob"', text, re.M), \
+        "a None val_loss was exported"
 
     assert stop_job(c.dashboard, job_id, wait_s=30) == "STOPPED"
     listed = {j.job_id: j.status for j in job_status(c.dashboard)}
@@ -302,7 +305,8 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     job = ROOT / "jobs" / "llm.yaml"
     overrides = ["name=remote", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
                  "train.max_steps=5", "train.global_batch_size=8", "train.eval_interval=5", "train.eval_iters=1",
-                 "checkpoint.enabled=false", "monitor.progress=false", "cluster.gpu=A100", f"monitor.runs_dir={tmp_path}"]
+                 "checkpoint.enabled=false", "monitor.progress=false", "cluster.gpu=A100",
+                 f"monitor.runs_dir={tmp_path}"]
     job_id = submit_remote(c.dashboard, str(job), overrides)
     assert job_id.startswith("remote-")
     scraped: dict[int, str] = {}
