@@ -99,8 +99,8 @@ def test_kuberay_manifest_fields(name):
     assert head["rayStartParams"]["metrics-export-port"] == "8080"
     assert head["rayStartParams"]["num-gpus"] == "0"
     groups = spec["workerGroupSpecs"]
-    assert groups and all("rayStartParams" in g and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
-                          for g in groups)
+    assert groups
+    assert all("rayStartParams" in g and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] for g in groups)
     for template in [head["template"]] + [g["template"] for g in groups]:
         assert template["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
         (container,) = template["spec"]["containers"]

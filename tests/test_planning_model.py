@@ -213,10 +213,12 @@ def _h100_job(precision: str):
 def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
+    from orchestrator.planning.mesh import Mesh
 
     ctx, topo = _h100_job("bf16")
-    cl = cluster_layout(Wirings.of(topo), (1, 4, 2))
-    z1, z2 = (estimate(ctx, cl, Choice(s, (1, 4, 2), micro_batch=1, recompute="none")) for s in ("zero1", "zero2"))
+    mesh = Mesh(dp_replicate=1, dp_shard=4, tp=2)
+    cl = cluster_layout(Wirings.of(topo), mesh)
+    z1, z2 = (estimate(ctx, cl, Choice(s, mesh, micro_batch=1, recompute="none")) for s in ("zero1", "zero2"))
     assert z1.comm_parts == z2.comm_parts and z1.memory == z2.memory
     assert z1.comm_parts["param all-gather"] > 0
 
@@ -227,10 +229,12 @@ def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
 def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(strategy, gathers, scatters):
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
+    from orchestrator.planning.mesh import Mesh
 
     jobs = {p: _h100_job(p) for p in ("bf16", "fp32")}
-    cl = cluster_layout(Wirings.of(jobs["fp32"][1]), (1, 8, 1))
-    choice = Choice(strategy, (1, 8, 1), micro_batch=1, recompute="none")
+    mesh = Mesh(dp_replicate=1, dp_shard=8, tp=1)
+    cl = cluster_layout(Wirings.of(jobs["fp32"][1]), mesh)
+    choice = Choice(strategy, mesh, micro_batch=1, recompute="none")
     est = {p: estimate(ctx, cl, choice) for p, (ctx, _) in jobs.items()}
     # Weights cross the wire in FSDP2's param_dtype: half the all-gather bytes under bf16...
     assert est["bf16"].comm_parts["param all-gather"] < 0.55 * est["fp32"].comm_parts["param all-gather"]
@@ -313,18 +317,18 @@ def _ddp_plan(nodes: int, *extra: str):
 def test_forced_hierarchical_sync_says_what_runs():
     # Across two nodes the runtime's DDP hook runs it: the plan says hierarchical.
     two = _ddp_plan(2)
-    assert two.sync["algorithm"] == "hierarchical"
+    assert two.sync.algorithm == "hierarchical"
     assert any(line.startswith("gradient sync: hierarchical") for line in two.explanation)
     # On one node it has no second level: the plan says flat, and why.
     one = _ddp_plan(1)
-    assert one.sync["algorithm"] == "flat"
+    assert one.sync.algorithm == "flat"
     assert any("hierarchical degenerates to flat: the group is on one node" in line for line in one.explanation)
 
 
 def test_forced_hierarchical_sync_under_fsdp2_runs_flat():
     # FSDP2 has no comm hook: zero3's reduce-scatter is one flat group, and the plan says so.
     plan = _ddp_plan(2, "parallel.strategy=zero3")
-    assert plan.sync["algorithm"] == "flat"
+    assert plan.sync.algorithm == "flat"
     assert any("parallel.sync=hierarchical runs flat: zero3 reduces gradients through FSDP2" in line
                for line in plan.explanation)
 
@@ -332,6 +336,6 @@ def test_forced_hierarchical_sync_under_fsdp2_runs_flat():
 def test_forced_hierarchical_sync_with_powersgd_runs_flat():
     # PowerSGD's DDP hook is a low-rank all-reduce of its own; the hierarchical hook cannot wrap it.
     plan = _ddp_plan(2, "parallel.compression=powersgd")
-    assert plan.sync["algorithm"] == "flat"
+    assert plan.sync.algorithm == "flat"
     assert any("parallel.sync=hierarchical runs flat: powersgd compression is its own all-reduce scheme" in line
                for line in plan.explanation)

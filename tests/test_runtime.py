@@ -185,7 +185,8 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-c", _WRITER % port, str(tmp_path), "kill"], capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _WRITER % port, str(tmp_path), "kill"], capture_output=True,
+                          timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert [Path(c).name for c in checkpoint.committed(str(tmp_path))] == ["step_00000001"]
     assert (tmp_path / ".step_00000002.partial").is_dir()  # the torn write is there, and ignored

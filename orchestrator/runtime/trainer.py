@@ -58,7 +58,7 @@ class Trainer:
             raise RuntimeError(f"plan is for {plan.world_size} ranks but the process group has {self.world}")
         # What runs is the plan's own statement, unless this rank got another kind of device.
         self.execution = on_device(plan.execution, "gpu" if device.type == "cuda" else "cpu", cfg.train.precision,
-                                   plan.sync.compression, cfg.train.max_steps)
+                                   _requested_compression(cfg, plan), cfg.train.max_steps)
         self.accum = plan.sync.grad_accum_steps
         self.micro = plan.micro_batch_size
         self.mesh = build_mesh(plan.mesh, device.type)
@@ -240,3 +240,10 @@ def init_process_group(rank: int, world: int, master_addr: str, master_port: int
         rank=rank,
         world_size=world,
     )
+
+
+def _requested_compression(cfg: JobConfig, plan: Plan):
+    """The compression to resolve again on another device kind: the config's own choice where it
+    made one (one dropped on the planned kind may run on this one), else the plan's."""
+    asked = cfg.parallel.compression
+    return plan.sync.compression if asked == "auto" else asked
