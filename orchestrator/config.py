@@ -279,7 +279,8 @@ def load_config(job_file: str | os.PathLike | None, overrides: list[str] | tuple
             inc = conf_dir() / f"{name}.yaml"
             if not inc.is_file():
                 choices = sorted(str(p.relative_to(conf_dir()))[:-5] for p in conf_dir().rglob("*.yaml"))
-                raise ConfigError(f"{job_path}: defaults entry '{name}' not found in conf/; available: {', '.join(choices)}")
+                raise ConfigError(f"{job_path}: defaults entry '{name}' not found in conf/; "
+                                  f"available: {', '.join(choices)}")
             cfg = _merge(cfg, _load_yaml(inc, "defaults file"), str(inc))
         cfg = _merge(cfg, job, str(job_path))
     for item in overrides:

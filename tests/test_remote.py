@@ -154,7 +154,8 @@ def cluster():
     # The drivers' home: a relative monitor.runs_dir of a remote submit lands under it.
     home = Path(tempfile.mkdtemp(prefix="orx-head-home-"))
     env["HOME"] = str(home)
-    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}", '--resources={"accelerator_type:fake": 1}']
+    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}",
+                '--resources={"accelerator_type:fake": 1}']
     c = TwoNodeCluster(dashboard=f"http://127.0.0.1:{dash_port}", gcs=f"127.0.0.1:{gcs_port}", token=token, home=home)
     try:
         c.nodes.append(_start_node(

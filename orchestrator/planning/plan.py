@@ -240,14 +240,16 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobCon
         raise PlanError("the cluster has no devices to plan for (no GPU and no CPU slot)")
     kinds = {d.kind for n in topo.nodes for d in n.devices}
     if len(kinds) > 1:
-        raise PlanError("the cluster mixes GPUs and CPU slots; plan for one kind (GPUs, or cluster.num_workers CPU slots)")
+        raise PlanError("the cluster mixes GPUs and CPU slots; plan for one kind "
+                        "(GPUs, or cluster.num_workers CPU slots)")
     on_gpu = kinds == {"gpu"}
     speeds: list[DeviceSpeed] = []
     for node in topo.nodes:
         for d in node.devices:
             s = device_speed(d, cfg.train.precision, cfg.cluster.gpu)
             if s is None:
-                raise PlanError(f"GPU {d.name or '(unnamed)'} on {node.hostname or node.node_id or 'a node'} is not in the "
+                where = node.hostname or node.node_id or "a node"
+                raise PlanError(f"GPU {d.name or '(unnamed)'} on {where} is not in the "
                                 f"planner's table; set cluster.gpu (or --gpu) to one of: {', '.join(known_names())}")
             speeds.append(s)
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
@@ -314,7 +316,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
     m = e.memory
     node = topo.nodes[0]
     lines = [
-        f"model: {ctx.params / 1e6:.2f}M parameters, {model_flops_per_step(ctx.shape, ctx.global_batch) / 1e12:.3g} TFLOP "
+        f"model: {ctx.params / 1e6:.2f}M parameters, "
+        f"{model_flops_per_step(ctx.shape, ctx.global_batch) / 1e12:.3g} TFLOP "
         f"per step ({ctx.global_batch} sequences of {ctx.shape.seq} tokens)",
         f"cluster: {len(topo.nodes)} node(s) x {node.num_devices} {ctx.speed.name}"
         + (f", network {ctx.net_gbps:g} GB/s per node, {ctx.net_lat_us:g} us" if len(topo.nodes) > 1 else ""),
@@ -323,7 +326,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         + (f" (forced: {', '.join(cons.forced())})" if cons.forced() else ""),
         f"precision: {ctx.layout.name}",
         f"memory per rank: params {_gb(m.params)}, grads {_gb(m.grads)}, optimizer {_gb(m.optimizer)}, "
-        f"activations {_gb(m.activations)}, buffers {_gb(m.buffers)}; total {_gb(m.total)} ({_fit_reason(e, ctx, res.fits)})",
+        f"activations {_gb(m.activations)}, buffers {_gb(m.buffers)}; total {_gb(m.total)} "
+        f"({_fit_reason(e, ctx, res.fits)})",
         f"step time: compute {e.compute_s * 1e3:.2f} ms, communication {e.comm_s * 1e3:.2f} ms of which "
         f"{e.exposed_comm_s * 1e3:.2f} ms exposed, total {e.total_s * 1e3:.2f} ms"
         + (" (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in e.comm_parts.items()) + ")" if e.comm_parts else ""),
@@ -424,7 +428,8 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut,
     )
 
 
-def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape, res: SearchResult) -> str:
+def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape,
+                       res: SearchResult) -> str:
     world = wirings.devices_per_node * len(wirings.node_index)
     gb = cfg.train.global_batch_size
     # The smallest data-parallel sizes any tensor-parallel degree allows: a batch must be a multiple of one.

@@ -345,12 +345,14 @@ def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, repo
     measured_mem = [f["state_bytes"] for f in finals]
     warnings = []
     if predicted and math.isfinite(measured_step) and not (0.5 <= measured_step / predicted <= 2.0):
-        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s by more than 2x")
+        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s "
+                        "by more than 2x")
     m = plan.memory_per_rank
     model_state_pred = m.params + m.grads + m.optimizer
     model_state_meas = max((sum(m.values()) for m in measured_mem), default=0)
     if model_state_pred and model_state_meas and not (0.5 <= model_state_meas / model_state_pred <= 2.0):
-        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's {model_state_pred:,} by more than 2x")
+        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's "
+                        f"{model_state_pred:,} by more than 2x")
     return {
         "job": cfg.name,
         "strategy": str(plan.strategy),
@@ -393,8 +395,9 @@ def _print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     if s["predicted"]["step_s"]:
         t.add_row("step time predicted", f"{s['predicted']['step_s'] * 1000:.1f} ms")
     exposed = s["measured"]["exposed_comm_s"]
+    predicted_exposed = s["predicted"]["exposed_comm_s"]
     t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
-              + (f" (predicted {s['predicted']['exposed_comm_s'] * 1000:.1f} ms)" if s["predicted"]["exposed_comm_s"] else ""))
+              + (f" (predicted {predicted_exposed * 1000:.1f} ms)" if predicted_exposed else ""))
     t.add_row("wall time", f"{s['wall_s']:.1f} s")
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)

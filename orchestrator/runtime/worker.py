@@ -134,7 +134,8 @@ class Worker:
             backend = "nccl"
         else:
             if gpus:
-                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: running on CPU with gloo")
+                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: "
+                             "running on CPU with gloo")
             device = torch.device("cpu")
             backend = "gloo"
         # Before the process group: NCCL reads its environment when the communicator starts.
