@@ -357,8 +357,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
     return lines
 
 
-def plan_job(cfg: JobConfig, topology: ClusterTopology, left_out: tuple[LeftOut, ...] = (),
-             spec: ModelSpec | None = None) -> Plan:
+def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None, *,
+             left_out: tuple[LeftOut, ...] = ()) -> Plan:
     """Plan `cfg` on `topology`: the fastest plan that fits, or, when the config forces choices
     that cannot fit, the forced plan with fits=False and the reason. PlanError only when
     nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides).

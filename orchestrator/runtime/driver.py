@@ -77,7 +77,7 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
 
 
 def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None) -> Plan:
-    plan = plan_job(cfg, topology, left_out, spec)
+    plan = plan_job(cfg, topology, spec, left_out=left_out)
     run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
