@@ -121,7 +121,7 @@ def test_resume_on_a_token_file_is_exact(trained, corpus, tmp_path):
     summary = run_job(cfg, run, Console(file=open(os.devnull, "w")), resume_from=ckpts[0])
     first = json.loads((trained / "summary.json").read_text())
     assert summary["final_val_loss"] == pytest.approx(first["final_val_loss"], abs=1e-6)
-    gcfg = GPTConfig(**dataclasses.asdict(cfg.model))
+    gcfg = GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(GPTConfig)})
     resumed = _weights(checkpoint.committed(str(run.checkpoints))[-1], gcfg).state_dict()
     for k, v in _weights(ckpts[-1], gcfg).state_dict().items():
         torch.testing.assert_close(resumed[k], v, rtol=0, atol=1e-6, msg=k)

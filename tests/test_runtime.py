@@ -49,7 +49,7 @@ def _run(tmp_path: Path, *overrides: str, resume: str | None = None):
 
 
 def _final_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
-    model = GPT(GPTConfig(**dataclasses.asdict(cfg.model)))
+    model = GPT(GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(GPTConfig)}))
     checkpoint.load_model_weights(checkpoint.committed(str(run_dir / "checkpoints"))[-1], model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
