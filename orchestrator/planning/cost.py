@@ -108,10 +108,10 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
-def execution(ctx: JobContext, c: Choice, bucket_mb: float | None = None) -> Execution:
+def execution(ctx: JobContext, c: Choice) -> Execution:
     """What runs for choice `c` (Unsupported when it cannot run at all)."""
     return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
-                   compression=c.compression, algorithm=c.algorithm, bucket_mb=bucket_mb or c.bucket_mb or 25.0,
+                   compression=c.compression, algorithm=c.algorithm, bucket_mb=c.bucket_mb or 25.0,
                    max_steps=ctx.max_steps)
 
 

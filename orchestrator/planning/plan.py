@@ -102,11 +102,15 @@ class Alternative:
 
 
 def _execution_to_dict(ex: Execution) -> dict[str, Any]:
-    return {f.name: (getattr(ex, f.name).to_dict() if f.name == "mesh" else list(ex.notes) if f.name == "notes"
-                     else None if getattr(ex, f.name) is None
-                     else str(getattr(ex, f.name)) if isinstance(getattr(ex, f.name), Choice)
-                     else getattr(ex, f.name))
-            for f in fields(ex)}
+    def plain(v: Any) -> Any:
+        """A JSON value: choices by name, the mesh by axis, notes as a list."""
+        if isinstance(v, Mesh):
+            return v.to_dict()
+        if isinstance(v, tuple):
+            return list(v)
+        return str(v) if isinstance(v, Choice) else v
+
+    return {f.name: plain(getattr(ex, f.name)) for f in fields(ex)}
 
 
 def _execution_from_dict(d: dict[str, Any]) -> Execution:
