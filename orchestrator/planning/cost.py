@@ -26,14 +26,6 @@ from .resolve import Execution, Unsupported, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
 
 GB = 1e9
-# Fraction of overlapped communication time that still slows the step: the collective kernels
-# occupy SMs and HBM bandwidth the overlapped matmuls would use (checked against Narayanan et
-# al. 2021's sharded-data-parallel vs PTD-P measurements: benchmarks/narayanan_ptdp.py).
-COMM_CONTENTION = 0.3
-# A ring step that crosses the network costs NCCL about this much beyond the wire's one-way
-# latency (proxy thread hand-off, network-protocol handshakes), so a ring over hundreds of
-# nodes pays milliseconds per collective.
-NCCL_NET_STEP_US = 10.0
 
 
 @dataclass(frozen=True)
@@ -128,12 +120,11 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
     inter = ctx.net_gbps * per_node / ctx.gpus_per_node if spans else math.inf
     return GroupLinks(size=size, per_node=per_node, intra_gbps=ring.gbps,
                       intra_lat_us=ring.lat_us if per_node > 1 else 0.0,
-                      inter_gbps=inter,
-                      inter_lat_us=(ctx.net_lat_us + (NCCL_NET_STEP_US if ctx.on_gpu else 0.0)) if spans else 0.0,
+                      inter_gbps=inter, inter_lat_us=ctx.net_lat_us if spans else 0.0,
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
-def execution(ctx: JobContext, c: Choice, bucket_mb: float | None = None) -> Execution:
+def execution(ctx: JobContext, c: Choice) -> Execution:
     """What runs for choice `c` (Unsupported when it cannot run at all)."""
     pipeline = None
     if c.mesh.pp > 1:
@@ -143,7 +134,7 @@ def execution(ctx: JobContext, c: Choice, bucket_mb: float | None = None) -> Exe
         except ValueError as e:
             raise Unsupported(str(e)) from e
     return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
-                   compression=c.compression, algorithm=c.algorithm, bucket_mb=bucket_mb or c.bucket_mb or 25.0,
+                   compression=c.compression, algorithm=c.algorithm, bucket_mb=c.bucket_mb or 25.0,
                    max_steps=ctx.max_steps, pipeline=pipeline)
 
 
@@ -177,7 +168,8 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     flops = flops_per_step(shape, ctx.global_batch, c.recompute) / (dp * tp) * work
     eff = efficiency(c.micro_batch * shape.seq, shape.hidden / tp, ctx.on_gpu)
     mm = matmul_seconds(flops, ctx.speed, eff)
-    fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / flops_per_step(shape, ctx.global_batch, c.recompute)
+    step_flops = flops_per_step(shape, ctx.global_batch, c.recompute)
+    fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
     st = runtime_states(c.strategy, shape, tp, ex.shard_group, lay, share)
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
@@ -238,13 +230,10 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     else:
         gl = group_links(ctx, cl, "dp_shard")
         bucket_mb = block * grad_wire / MB
-        # FSDP2 runs one collective per unit (every block, and the root): each pays the ring's
-        # latency, which at hundreds of ranks across nodes is milliseconds per collective.
-        units = blocks + 1
-        rs = units * group_reduce_scatter(grad_bytes / units, gl)
+        rs = group_reduce_scatter(grad_bytes, gl)
         rs_block = group_reduce_scatter(block * grad_wire, gl)
         gather_w = p_rank * lay.compute
-        ag = units * group_all_gather(gather_w / units, gl)
+        ag = group_all_gather(gather_w, gl)
         ag_block = group_all_gather(block * lay.compute, gl)
         # Under a pipeline FSDP2 reduce-scatters once, after the last micro-batch's backward
         # (torch's stages turn gradient sync off for the others).
@@ -252,8 +241,10 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         if not ex.reshard_after_forward:
             # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
             parts["grad reduce-scatter"], parts["param all-gather"] = syncs * rs, ag
-            exposed += (syncs * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap
-                        else syncs * rs + ag)
+            if overlap:
+                exposed += syncs * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block
+            else:
+                exposed += syncs * rs + ag
         else:
             # ZeRO-3 / FSDP: gather forward, gather again for backward, reduce-scatter, per micro-step.
             parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, accum * rs
@@ -271,17 +262,12 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             schedule = f"{schedule}; replicas: {sched}"
         schedule += flat_note
     comm_s = sum(parts.values())
-    exposed = min(exposed, comm_s)
-    if overlap:
-        # Hidden communication is not free: NCCL's kernels take SMs and memory bandwidth from
-        # the matmuls they overlap.
-        exposed += COMM_CONTENTION * (comm_s - exposed)
     algorithm = "hierarchical" if schedule.startswith("hierarchical") else "flat"
     sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=SyncAlgorithm(algorithm), compression=ex.compression,
                     grad_accum_steps=accum, overlap=overlap)
     mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0)
-    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=exposed,
-                    sync=sync, comm_parts=parts, schedule=schedule, bubble_s=bubble_s)
+    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s,
+                    exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule, bubble_s=bubble_s)
 
 
 def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> float:

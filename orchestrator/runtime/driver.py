@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ from rich.table import Table
 from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
 from ..planning import Plan, plan_job
+from ..planning.cluster_view import plannable
+from ..planning.model_spec import ModelSpec
 from ..rundir import RunDir
 from .curve import loss_svg
 from .metrics import record_restart
@@ -37,6 +40,10 @@ class RunState:
     val: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
+    model_fn: Callable[..., Any] | None = None
+    """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
+    spec: ModelSpec | None = None
+    """The measured model the planner prices; None for the built-in GPT (its formulas)."""
 
     @property
     def last_step(self) -> int:
@@ -61,8 +68,16 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir) -> Plan:
-    plan = plan_job(cfg, topology)
+def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> ModelSpec | None:
+    """The model's spec, measured on the meta device; None for the built-in GPT. ConfigError
+    (one line naming the key) for a model that breaks the contract."""
+    from ..workloads.inspect import is_builtin_gpt, model_spec
+
+    return None if is_builtin_gpt(cfg.model, model_fn) else model_spec(cfg.model, model_fn)
+
+
+def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None) -> Plan:
+    plan = plan_job(cfg, topology, spec, left_out=left_out)
     run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
     if not plan.fits:
         raise PlanError(f"the plan does not fit: {plan.reason}")
@@ -95,15 +110,19 @@ def run_job(
     console: Console,
     dashboard_url: str | None = None,
     resume_from: str | None = None,
+    model_fn: Callable[..., Any] | None = None,
+    spec: ModelSpec | None = None,
 ) -> dict[str, Any]:
     """Run the job on the connected Ray cluster, restarting after failures up to
-    `train.max_failures` times; returns the summary written to summary.json."""
+    `train.max_failures` times; returns the summary written to summary.json. `model_fn` builds
+    the model instead of `model.factory` (the Python API); `spec` is its measurement
+    (`measure_model`), made here when not given."""
     t_start = time.monotonic()
+    state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn))
     run.write_text("config.yaml", to_yaml(cfg))
     if dashboard_url:
         console.print(f"Ray dashboard: http://{dashboard_url}")
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
-    state = RunState()
     resume = resume_from
     while True:
         try:
@@ -161,9 +180,14 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
         topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
     run.write_text("topology.json", topology.to_json())
-    use_gpu = _use_gpu(topology)
-    topology = _elastic(cfg, topology)
-    plan = _plan(cfg, topology, run)
+    for warning in dict.fromkeys(w for n in topology.nodes for w in n.warnings if _shown(w)):
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
+    view, left_out = plannable(topology)
+    use_gpu = _use_gpu(view)
+    plan = _plan(cfg, _elastic(cfg, view), run, left_out, state.spec)
+    for x in plan.left_out:
+        console.print(f"left out: {escape(str(x))}")
     console.print(
         f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
         f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
@@ -175,6 +199,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             timeout_s=cfg.cluster.placement_timeout_s,
         )
     affinity = _cpu_affinity(plan, topology)
+    nccl = _nccl(plan, topology)
     try:
         run.write_json("placement.json", placement.reports)
         actors = placement.actors
@@ -182,14 +207,16 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             master = ray.get(actors[0].rendezvous_address.remote())
             with console.status("starting the process group and building the model"):
                 setups = ray.get([
-                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None)
+                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r],
+                                   state.model_fn)
                     for r, a in enumerate(actors)
                 ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
         for report, setup in zip(placement.reports, setups):
             # What each rank set up for itself: the GPUs it exposes to NCCL, the CPUs it runs on.
-            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"])
+            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"],
+                          nccl_env=setup["nccl_env"])
         run.write_json("placement.json", placement.reports)
         for note in _notes(setups):
             console.print(f"[yellow]note:[/] {escape(note)}")
@@ -203,6 +230,13 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     return plan, setups, finals, placement.reports
 
 
+def _shown(warning: str) -> bool:
+    """Probe warnings the driver repeats: those about NICs a node declares but lacks."""
+    from ..topology.local import MISSING_NIC_WARNING
+
+    return MISSING_NIC_WARNING in warning
+
+
 def _notes(setups: list[dict[str, Any]]) -> list[str]:
     """Every rank's notes, each said once, in rank order."""
     return list(dict.fromkeys(n for s in setups for n in s["notes"]))
@@ -212,6 +246,15 @@ def _cpu_affinity(plan: Plan, topology) -> list[str | None]:
     """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
     by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
     return [by_node.get(r.node, {}).get(r.gpu) for r in plan.ranks]
+
+
+def _nccl(plan: Plan, topology) -> list:
+    """Each rank's NCCL settings, decided per node from its probed topology (`nccl_env`)."""
+    from .nccl_env import nccl_setup
+
+    multi = len(set(plan.node_of_rank)) > 1
+    by_node = {n.node_id: nccl_setup(n, multi) for n in topology.nodes if n.node_id in set(plan.node_of_rank)}
+    return [by_node.get(r.node) for r in plan.ranks]
 
 
 def _elastic(cfg: JobConfig, topology):
@@ -302,12 +345,14 @@ def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, repo
     measured_mem = [f["state_bytes"] for f in finals]
     warnings = []
     if predicted and math.isfinite(measured_step) and not (0.5 <= measured_step / predicted <= 2.0):
-        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s by more than 2x")
+        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s "
+                        "by more than 2x")
     m = plan.memory_per_rank
     model_state_pred = m.params + m.grads + m.optimizer
     model_state_meas = max((sum(m.values()) for m in measured_mem), default=0)
     if model_state_pred and model_state_meas and not (0.5 <= model_state_meas / model_state_pred <= 2.0):
-        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's {model_state_pred:,} by more than 2x")
+        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's "
+                        f"{model_state_pred:,} by more than 2x")
     return {
         "job": cfg.name,
         "strategy": str(plan.strategy),
@@ -350,8 +395,9 @@ def _print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     if s["predicted"]["step_s"]:
         t.add_row("step time predicted", f"{s['predicted']['step_s'] * 1000:.1f} ms")
     exposed = s["measured"]["exposed_comm_s"]
+    predicted_exposed = s["predicted"]["exposed_comm_s"]
     t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
-              + (f" (predicted {s['predicted']['exposed_comm_s'] * 1000:.1f} ms)" if s["predicted"]["exposed_comm_s"] else ""))
+              + (f" (predicted {predicted_exposed * 1000:.1f} ms)" if predicted_exposed else ""))
     t.add_row("wall time", f"{s['wall_s']:.1f} s")
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)

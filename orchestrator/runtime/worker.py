@@ -17,6 +17,8 @@ import ray
 
 from ..planning import Plan
 from .metrics import TrainMetrics
+from .nccl_env import NcclSetup
+from .nccl_env import apply as apply_nccl
 
 
 def _free_port() -> int:
@@ -107,9 +109,10 @@ class Worker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
-              cpu_affinity: str | None = None) -> dict[str, Any]:
+              cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None) -> dict[str, Any]:
         """Join the process group, build the model under the plan, and load `resume_from` if given.
-        `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology."""
+        `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology;
+        `nccl` what NCCL should be told about this node (`nccl_env`)."""
         import torch
 
         from .trainer import Trainer, init_process_group
@@ -131,11 +134,15 @@ class Worker:
             backend = "nccl"
         else:
             if gpus:
-                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: running on CPU with gloo")
+                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: "
+                             "running on CPU with gloo")
             device = torch.device("cpu")
             backend = "gloo"
+        # Before the process group: NCCL reads its environment when the communicator starts.
+        nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
+        notes += nccl_notes
         init_process_group(self.rank, self.world, master[0], master[1], backend)
-        self.trainer = Trainer(cfg, plan, device)
+        self.trainer = Trainer(cfg, plan, device, model_fn)
         self.metrics = TrainMetrics(cfg.name, self.rank)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
@@ -146,7 +153,7 @@ class Worker:
             start = self.trainer.load_checkpoint(resume_from)
         return {"num_params": self.trainer.num_params, "notes": notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
-                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None,
+                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
 
     def train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
