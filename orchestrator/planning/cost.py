@@ -267,7 +267,8 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
                     grad_accum_steps=accum, overlap=overlap)
     mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0)
     return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s,
-                    exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule, bubble_s=bubble_s)
+                    exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule,
+                    bubble_s=bubble_s)
 
 
 def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> float:

@@ -22,9 +22,9 @@ from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
-from .pipeline import Pipeline
 from .model_spec import ModelSpec
 from .nics import assign_nics
+from .pipeline import Pipeline
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
 from .sync import SyncPlan, powersgd_ratio

@@ -147,6 +147,15 @@ def resolve(
         notes.append(f"{strategy} with tp={tp} runs as FSDP2 (zero2's wrapping"
                      + (", nothing sharded)" if strategy == Strategy.ddp else ")")
                      + ": DDP and ZeroRedundancyOptimizer cannot handle DTensor parameters")
+    elif pipeline is not None and strategy in (Strategy.ddp, Strategy.zero1):
+        # torch's pipeline stages drive FSDP2's gradient sync over the micro-batches (no sync
+        # until the last backward, then one reduction); DDP's reducer is prepared at forward
+        # time, which a schedule interleaving micro-batches does not fit. torchtitan composes
+        # pipelines with FSDP2 only, for the same reason.
+        wrapping = Strategy.zero2
+        notes.append(f"{strategy} with pp={mesh.pp} runs as FSDP2 (zero2's wrapping"
+                     + (", nothing sharded)" if strategy == Strategy.ddp else ")")
+                     + ": torch's pipeline stages sync gradients through FSDP2")
     ddp_reduces = wrapping in (Strategy.ddp, Strategy.zero1)
     if strategy == Strategy.ddp:
         shard_group = 1

@@ -48,12 +48,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.choices import Recompute
-from orchestrator.errors import PlanError
 from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
-from orchestrator.workloads.models import attention_of, block_list
+from orchestrator.workloads.models import attention_of, block_slots
 
 _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -69,9 +68,6 @@ def build_mesh(mesh: Mesh, device_type: str) -> DeviceMesh:
     world = dist.get_world_size()
     if mesh.world_size != world:
         raise RuntimeError(f"the mesh {mesh} covers {mesh.world_size} ranks but the process group has {world}")
-    if mesh.pp > 1:
-        raise PlanError(f"parallel.pp={mesh.pp}: the trainer does not run pipelines yet; use parallel.pp=1 "
-                        f"(`plan` prices pipelines, runtime/pipeline.py builds their stages)")
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES)
 
 
@@ -128,6 +124,33 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for i in empty:
             restored.insert(i, groups[i])
         optimizer.param_groups = restored
+
+
+def _by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by their gradients' (mesh, placements): DTensors on different meshes
+    (TP-sharded blocks on (dp, tp), replicated embeddings on dp only) cannot share one foreach."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def total_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `params`' gradients (each with a gradient), as a plain tensor: the
+    norm per (mesh, placements) group made whole with ``full_tensor``, then combined."""
+    norms = []
+    for group in _by_mesh(params):
+        n = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    return torch.nn.utils.get_total_norm(norms)
+
+
+def clip_grads_with_norm(params: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale `params`' gradients so that a total norm of `total` becomes at most `max_norm`."""
+    for group in _by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
 
 @dataclass
@@ -193,22 +216,11 @@ class Parallelized:
         is taken per (mesh, placements) group, each made whole with ``full_tensor`` (the
         cross-shard reduction), and combined.
         """
-        groups: dict[Any, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            g = p.grad
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-            groups.setdefault(key, []).append(p)
-        if not groups:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
             return torch.zeros(())
-        norms = []
-        for params in groups.values():
-            n = torch.nn.utils.get_total_norm([p.grad for p in params])
-            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-        total = torch.nn.utils.get_total_norm(norms)
-        for params in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        total = total_grad_norm(params)
+        clip_grads_with_norm(params, max_norm, total)
         return total
 
     def _local_optimizer(self) -> torch.optim.Optimizer:
@@ -264,11 +276,11 @@ def _apply_recompute(model: nn.Module, recompute: Recompute) -> None:
     checkpointing; a block without an attention submodule is wrapped whole."""
     if recompute == Recompute.none:
         return
-    blocks = block_list(model)
-    for i, block in enumerate(blocks):
+    for blocks, key in block_slots(model):
+        block = blocks[key]
         found = attention_of(block) if recompute == Recompute.selective else None
         if found is None:
-            blocks[i] = checkpoint_wrapper(block)
+            blocks[key] = checkpoint_wrapper(block)
         else:
             setattr(block, found[0], checkpoint_wrapper(found[1]))
 
@@ -333,8 +345,8 @@ def parallelize(
     dp_mesh = mesh["dp_replicate", "dp_shard"] if ex.fsdp_replicates else _dp_mesh(mesh)
     policy, policy_notes = fsdp_policy(str(ex.param_dtype), str(ex.compression), _dp_mesh(mesh).get_group())
     notes += policy_notes
-    for block in block_list(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
+    for blocks, key in block_slots(model):
+        fully_shard(blocks[key], mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     # The root holds the embeddings and the output head, so a tied weight has one owner.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     return Parallelized(model, make_optimizer(model), notes)

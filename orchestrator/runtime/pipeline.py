@@ -1,80 +1,124 @@
 """Pipeline parallelism with torch.distributed.pipelining, as the plan's `Pipeline` says.
 
-The model is cut at block boundaries (`split_stages`): the first chunk keeps the token and
-position embeddings, the last the final LayerNorm and the head; every chunk keeps its blocks
-under their original names (`h.5...`), so DCP checkpoints of a pipelined run name the same
-parameters as a run without one. Chunk c runs on pipeline rank c mod p (torch's loop placement
-for the interleaved schedules).
+A model runs in a pipeline when its forward is ``head(blocks(embed(idx)))`` and it names the
+modules of each end (`pipeline_embed`, `pipeline_head`; the built-in GPT and the Llama family
+do). A chunk (`StageModule`) keeps its own blocks in a ModuleDict keyed by their index in the
+whole model, under the block list's own name, so parameter and optimizer-state names are the
+whole model's (`h.5.attn.q_proj.weight`): DCP checkpoints hold every stage's state without
+collisions. The first chunk keeps the embedding, the last the final norm and the head. Chunk c
+runs on pipeline rank c mod p (torch's loop placement for the interleaved schedules).
 
-Tied weights: the GPT ties lm_head to wte. With p > 1 the first and the last stage each keep a
-copy, initialised equal; after backward their gradients are summed between the two ranks
-(`sync_tied_grads`, Megatron's way), so both copies take the same optimizer step and stay
-equal. torchtitan unties instead; untying would change the model being trained.
+Each chunk is parallelized on its own, the way torchtitan composes them: tensor parallelism,
+recomputation, then FSDP2 over the data-parallel axes; torch's `PipelineStage` turns gradient
+sync off until the last micro-batch's backward, then reduces once and divides the gradients by
+the micro-batch count, so one step equals one over the whole batch.
+
+Tied weights: the GPT ties lm_head to wte. With p > 1 the first and the last stage each hold
+it; after backward their gradients are summed between the two ranks (Megatron's way), so both
+copies take the same optimizer step and stay equal, and the gradient norm counts it once.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..choices import PipelineSchedule
-
-TIED = ("wte.weight", "lm_head.weight")
-"""The tied pair: the first stage's embedding and the last stage's head."""
+from ..errors import PlanError
+from ..planning.pipeline import Pipeline
+from ..planning.resolve import Execution
+from ..workloads.models import block_list, block_list_name, logits_of
+from .parallelize import Parallelized, clip_grads_with_norm, parallelize, total_grad_norm
 
 
 class StageModule(nn.Module):
-    """One chunk of the GPT: token ids (first) or hidden states in, hidden states or logits (last) out."""
+    """One chunk of a model: token ids (first chunk) or hidden states in; hidden states, or
+    logits (last chunk), out. Holds the whole model's modules it uses, under their own names."""
 
     def __init__(self, model: nn.Module, start: int, stop: int, first: bool, last: bool) -> None:
         super().__init__()
+        embed, head = pipeline_parts(model)
         self.first, self.last = first, last
-        if first:
-            self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
-        # A ModuleDict keyed by the original index keeps the parameter names of the whole model.
-        self.h = nn.ModuleDict({str(i): model.h[i] for i in range(start, stop)})
-        if last:
-            self.ln_f = model.ln_f
-            self.lm_head = model.lm_head
-            if not first:
-                # The last stage's own copy of the tied weight (see the module docstring).
-                self.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+        # Plain attributes, not submodules: the model's own embed/head code and its TP plan.
+        object.__setattr__(self, "_whole", model)
+        self.tp_plan = getattr(model, "tp_plan", None)
+        self.cfg = getattr(model, "cfg", None)
+        for name in (embed if first else ()) + (head if last else ()):
+            self.add_module(name, getattr(model, name))
+        blocks = block_list(model)
+        self._blocks_name = block_list_name(model)
+        if "." in self._blocks_name:
+            raise PlanError(f"parallel.pp > 1 needs the block list as a direct child of the model; "
+                            f"{type(model).__name__} keeps it at {self._blocks_name}; use parallel.pp=1")
+        # Under the block list's own name (`h`, `layers`), keyed by each block's index in the
+        # whole model: TP plans, state dicts and DCP keys are the whole model's.
+        self.add_module(self._blocks_name, nn.ModuleDict({str(i): blocks[i] for i in range(start, stop)}))
+
+    @property
+    def stage_blocks(self) -> nn.ModuleDict:
+        return getattr(self, self._blocks_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
-        for block in self.h.values():
+            x = self._whole.embed(x)
+        for block in self.stage_blocks.values():
             x = block(x)
         if self.last:
-            x = self.lm_head(self.ln_f(x))
+            x = logits_of(self._whole.head(x))
         return x
 
 
-def split_stages(model: nn.Module, chunk: int, layers: tuple[int, ...]) -> StageModule:
-    """Chunk `chunk` of `model` (a GPT with `wte`, `wpe`, `h`, `ln_f`, `lm_head`), holding
-    `layers[chunk]` blocks after the `sum(layers[:chunk])` before it. The model is copied: the
-    stage owns its parameters."""
-    if sum(layers) != len(model.h):
-        raise ValueError(f"the stage split {layers} covers {sum(layers)} blocks, the model has {len(model.h)}")
-    if not 0 <= chunk < len(layers):
-        raise ValueError(f"chunk must be in [0, {len(layers)}), got {chunk}")
-    start = sum(layers[:chunk])
-    return StageModule(copy.deepcopy(model), start, start + layers[chunk], chunk == 0, chunk == len(layers) - 1)
+def split_model(model: nn.Module, pipeline: Pipeline, pp_rank: int) -> list[StageModule]:
+    """This pipeline rank's chunks of `model` (chunk c on rank c mod p). The model keeps only
+    what those chunks use (blocks and ends of other stages are dropped, so their memory is
+    freed); the chunks share its modules, so nothing is copied."""
+    n = len(block_list(model))
+    if sum(pipeline.layers) != n:
+        raise PlanError(f"the pipeline's stage split {pipeline.layers} covers {sum(pipeline.layers)} blocks, "
+                        f"the model has {n}")
+    if not 0 <= pp_rank < pipeline.stages:
+        raise ValueError(f"pipeline rank must be in [0, {pipeline.stages}), got {pp_rank}")
+    chunks = []
+    for c in pipeline.chunks_of(pp_rank):
+        start, stop = pipeline.block_range(c)
+        chunks.append(StageModule(model, start, stop, c == 0, c == pipeline.chunks - 1))
+    embed, head = pipeline_parts(model)
+    kept = {name for m in chunks for name, _ in m.named_children()}
+    for name in embed + head:
+        if name not in kept:
+            setattr(model, name, None)
+    setattr(model, chunks[0]._blocks_name, nn.ModuleList())
+    return chunks
+
+
+def pipeline_parts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(embedding module names, head module names) of a model that can run in a pipeline;
+    PlanError naming what is missing otherwise."""
+    embed, head = getattr(model, "pipeline_embed", None), getattr(model, "pipeline_head", None)
+    if not (embed and head and callable(getattr(model, "embed", None)) and callable(getattr(model, "head", None))):
+        raise PlanError(f"parallel.pp > 1 needs a model whose forward is head(blocks(embed(idx))) and that names "
+                        f"its ends (`embed`, `head`, `pipeline_embed`, `pipeline_head`, as the built-in GPT and "
+                        f"Llama do); {type(model).__name__} does not; use parallel.pp=1")
+    return tuple(embed), tuple(head)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The GPT's own loss: mean cross-entropy in fp32."""
+    """Next-token cross-entropy in fp32, the training loop's own loss (a mean over the
+    micro-batch's tokens; the stages divide gradients by the micro-batch count)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build_schedule(stages: list, schedule: PipelineSchedule | str, microbatches: int):
-    """torch's schedule for this rank's stage(s); gradients are averaged over the micro-batches,
-    so a step equals one over the whole batch."""
+    """torch's schedule for this rank's stage(s)."""
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
@@ -88,36 +132,166 @@ def build_schedule(stages: list, schedule: PipelineSchedule | str, microbatches:
              PipelineSchedule.zero_bubble: ScheduleInterleavedZeroBubble}
     if schedule in single:
         if len(stages) != 1:
-            raise ValueError(f"{schedule} runs one stage per rank, got {len(stages)}")
+            raise PlanError(f"parallel.pp_schedule={schedule} runs one stage per rank, got {len(stages)}")
         return single[schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     if schedule in multi:
         return multi[schedule](stages, n_microbatches=microbatches, loss_fn=loss_fn)
-    raise ValueError(f"no pipeline schedule {schedule!r}; allowed: {PipelineSchedule.names()}")
+    raise PlanError(f"key 'parallel.pp_schedule': no schedule {schedule!r}; allowed: {PipelineSchedule.names()}")
 
 
-def pipeline_stages(model: nn.Module, pipeline, pp_rank: int, device: torch.device, group=None) -> list:
-    """This rank's PipelineStages (one per chunk it runs) and their modules."""
+class _Optimizers:
+    """This rank's chunks' optimizers as one: the training loop sets the learning rate on
+    `param_groups`, steps and zeroes them together."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Pipelined:
+    """This rank's chunks, parallelized, with their stages and schedule: what the training loop
+    drives in place of one `Parallelized` model when pp > 1."""
+
+    parts: list[Parallelized]
+    """One per chunk this rank runs (v under the interleaved schedules), in chunk order."""
+    schedule: Any
+    """torch's schedule over this rank's stages."""
+    pipeline: Pipeline
+    pp_group: dist.ProcessGroup
+    pp_ranks: list[int]
+    """Global ranks of this rank's pipeline, by stage."""
+    pp_rank: int
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.optimizer = _Optimizers([p.optimizer for p in self.parts])
+        self.modules: list[StageModule] = [_stage_module(p.model) for p in self.parts]
+        self.has_first = any(m.first for m in self.modules)
+        self.has_last = any(m.last for m in self.modules)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts[0].model
+
+    def _tied(self) -> list[nn.Parameter]:
+        """Parameters this rank holds that another stage holds too (a tied embedding and head,
+        named by the model's `pipeline_tied`)."""
+        if self.has_first and self.has_last:
+            return []
+        names = set(getattr(self.modules[0]._whole, "pipeline_tied", ()))
+        return [p for m in self.modules for n, p in m.named_parameters() if n in names]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, train: bool = True) -> torch.Tensor:
+        """One pass of the schedule over this data-parallel rank's batch (split into the
+        plan's micro-batches); returns the sum of the micro-batches' mean losses divided by
+        their count on the last stage, zero elsewhere."""
+        for p in self.parts:
+            p.model.train(train)
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.has_first else ()
+        kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        if train:
+            self.schedule.step(*args, **kwargs)
+            self._sync_tied()
+        else:
+            self.schedule.eval(*args, **kwargs)
+        if not losses:
+            return torch.zeros((), device=x.device)
+        return torch.stack([v.detach().float() for v in losses]).mean()
+
+    def _sync_tied(self) -> None:
+        """Sum a tied weight's gradient between the first and the last stage (each holds the
+        same shard of it: same shape, same data-parallel and tensor-parallel position)."""
+        tied = self._tied()
+        if not tied:
+            return
+        peer = self.pp_ranks[-1] if self.has_first else self.pp_ranks[0]
+        for p in tied:
+            grad = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+            other = torch.empty_like(grad)
+            ops = [dist.P2POp(dist.isend, grad.contiguous(), peer, self.pp_group),
+                   dist.P2POp(dist.irecv, other, peer, self.pp_group)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            grad.add_(other)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip every stage's gradients to one global 2-norm of `max_norm`: each rank's squared
+        norm (a tied copy counted on the first stage only) summed over the pipeline."""
+        tied = {id(p) for p in self._tied()} if self.has_last else set()
+        params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
+        counted = [p for p in params if id(p) not in tied]
+        local = total_grad_norm(counted) if counted else torch.zeros(())
+        sq = (local.float() ** 2).reshape(())
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
+        total = sq.sqrt()
+        clip_grads_with_norm(params, max_norm, total)
+        return total
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def state_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for p in self.parts:
+            for k, v in p.state_bytes().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer"} of every chunk this rank runs, under the whole model's names."""
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for p in self.parts:
+            sd = p.state_dict()
+            model.update(sd["model"])
+            optim.update(sd["optimizer"])
+        return {"model": model, "optimizer": optim}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for p in self.parts:
+            mine = p.state_dict()
+            p.load_state_dict({k: {n: state_dict[k][n] for n in mine[k]} for k in ("model", "optimizer")})
+
+
+def _stage_module(model: nn.Module) -> StageModule:
+    return model if isinstance(model, StageModule) else next(m for m in model.modules() if isinstance(m, StageModule))
+
+
+def build_pipeline(model: nn.Module, ex: Execution, mesh: DeviceMesh,
+                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], device: torch.device,
+                   node_of_rank: tuple[str, ...] | None = None) -> Pipelined:
+    """Split `model` (initialised identically on every rank) into this rank's chunks, parallelize
+    each as `ex` says on `mesh`, and build their stages and torch's schedule over the pp axis."""
     from torch.distributed.pipelining import PipelineStage
 
-    out = []
-    for c in pipeline.chunks_of(pp_rank):
-        module = split_stages(model, c, pipeline.layers).to(device)
-        out.append(PipelineStage(module, c, pipeline.chunks, device, group=group))
-    return out
-
-
-def sync_tied_grads(modules: list[StageModule], first_rank: int, last_rank: int, group=None) -> None:
-    """Sum the tied embedding/head gradient between the first and the last stage (a no-op on
-    ranks holding neither, and where one module holds both)."""
-    if first_rank == last_rank:
-        return
-    mine = [m.wte.weight for m in modules if m.first] + [m.lm_head.weight for m in modules if m.last]
-    for p in mine:
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        peer = last_rank if any(m.first for m in modules) else first_rank
-        # A two-rank all-reduce as a send/receive pair: only the two holders take part.
-        other = torch.empty_like(grad)
-        ops = [dist.P2POp(dist.isend, grad.contiguous(), peer, group), dist.P2POp(dist.irecv, other, peer, group)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-        p.grad = grad + other
+    pl = ex.pipeline
+    if pl is None or ex.mesh.pp != pl.stages:
+        raise ValueError(f"build_pipeline needs an execution with a pipeline over pp={ex.mesh.pp}, got {pl}")
+    pp_mesh = mesh["pp"]
+    pp_rank = pp_mesh.get_local_rank()
+    chunks = split_model(model, pl, pp_rank)
+    parts = [parallelize(c, ex, mesh, make_optimizer, device, node_of_rank=node_of_rank) for c in chunks]
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(p.model, c, pl.chunks, device, group=group)
+              for p, c in zip(parts, pl.chunks_of(pp_rank))]
+    schedule = build_schedule(stages, pl.schedule, pl.microbatches)
+    notes = list(parts[0].notes)
+    return Pipelined(parts, schedule, pl, group, dist.get_process_group_ranks(group), pp_rank, notes)

@@ -3,6 +3,8 @@
 One optimizer step = `grad_accum_steps` micro-steps over this rank's data-parallel share of
 the step's global batch; gradient sync happens only on the last micro-step. The loss logged
 is the mean over the whole global batch, the same number a single process would print.
+With pp > 1 the micro-steps are the pipeline's micro-batches, run by torch's schedule over the
+stages (`pipeline.py`); the loss comes from the last stage.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..workloads.data import open_data
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
+from .pipeline import Pipelined, build_pipeline
 from .schedule import lr_at
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
@@ -77,18 +80,24 @@ class Trainer:
         # The job's factory (or the Python API's callable); the same seed gives every rank one init.
         model = build_model(m, model_fn)
         self.num_params = sum(p.numel() for p in model.parameters())
-        model.to(device)
         t = cfg.train
-        self.par: Parallelized = parallelize(
-            model,
-            ex,
-            self.mesh,
-            lambda mod: torch.optim.AdamW(
-                param_groups(mod, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2)
-            ),
-            device,
-            node_of_rank=plan.node_of_rank,
-        )
+
+        def make_optimizer(mod: torch.nn.Module) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(param_groups(mod, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2))
+
+        self.pipelined = ex.pipeline is not None
+        self.par: Parallelized | Pipelined
+        if self.pipelined:
+            if ex.pipeline.microbatches != self.accum:
+                raise RuntimeError(f"the pipeline runs {ex.pipeline.microbatches} micro-batches but the plan "
+                                   f"accumulates {self.accum}: they are the same thing under a pipeline")
+            # Split first, then move: each rank puts only its own stage on the device.
+            self.par = build_pipeline(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank)
+        else:
+            model.to(device)
+            self.par = parallelize(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank)
+        # Ranks holding the reported loss: all of them, or the last pipeline stage's.
+        self.loss_ranks = self.world // plan.mesh.pp
         d = cfg.data
         self.data = open_data(d.path, d.val_path, d.val_fraction, m.block_size, t.seed, vocab_size=m.vocab_size)
         # fp16's narrow range needs loss scaling (bf16 does not); resolve admits fp16 with DDP
@@ -138,11 +147,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def calibrate_compute(self, repeats: int = 3) -> float:
+    def calibrate_compute(self, repeats: int = 3) -> float | None:
         """Seconds of one micro-step's forward and backward with gradient sync off: the
         compute-only baseline that exposed communication is measured against. Gradients are
         dropped afterwards, so training is unchanged. (Sharded strategies still all-gather
-        parameters inside it, so their figure counts gradient communication only.)"""
+        parameters inside it, so their figure counts gradient communication only.) None under
+        a pipeline, whose stages cannot run a micro-batch apart from the schedule."""
+        if self.pipelined:
+            return None
         x, y = self.data.train_batch(0, self.cfg.train.global_batch_size, self.dp_rank, self.dp_world)
         x, y = x[: self.micro].to(self.device), y[: self.micro].to(self.device)
         model = self.par.model
@@ -163,21 +175,13 @@ class Trainer:
 
     def _global_mean(self, value: torch.Tensor) -> float:
         # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so
-        # the mean over the world is the mean over the global batch.
+        # the mean over the ranks holding it (the last stage's, under a pipeline; the others
+        # hold zero) is the mean over the global batch.
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value.item() / self.world
+        return value.item() / self.loss_ranks
 
-    def train_step(self, step: int) -> StepResult:
-        t = self.cfg.train
-        t0 = time.perf_counter()
-        # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run
-        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry.
-        torch.manual_seed(hash((t.seed, step, self.dp_rank)) & 0x7FFF_FFFF)
-        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
-        for group in self.par.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = self.data.train_batch(step, t.global_batch_size, self.dp_rank, self.dp_world)
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-step; the sum of their losses over the count."""
         model = self.par.model
         model.train()
         total = torch.zeros((), device=self.device)
@@ -191,6 +195,24 @@ class Trainer:
                     loss = self._loss(model, x[sl], y[sl]) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
+        return total
+
+    def train_step(self, step: int) -> StepResult:
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run
+        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry.
+        torch.manual_seed(hash((t.seed, step, self.dp_rank)) & 0x7FFF_FFFF)
+        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
+        for group in self.par.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.data.train_batch(step, t.global_batch_size, self.dp_rank, self.dp_world)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.pipelined:
+            with self._autocast():
+                total = self.par.step(x, y)
+        else:
+            total = self._accumulate(x, y)
         opt_start = self._mark()
         if self.scaler:
             self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
@@ -225,6 +247,11 @@ class Trainer:
         for i in range(t.eval_iters):
             x, y = self.data.val_batch(i, t.global_batch_size, self.dp_rank, self.dp_world)
             x, y = x.to(self.device), y.to(self.device)
+            if self.pipelined:
+                # Forward only through the stages, in the training micro-batches: their mean.
+                with self._autocast():
+                    total += self.par.step(x, y, train=False) * self.accum
+                continue
             for j in range(0, len(x), self.micro):
                 with self._autocast():
                     total += self._loss(model, x[j:j + self.micro], y[j:j + self.micro]).float()

@@ -120,15 +120,28 @@ class GPT(nn.Module):
         """Distinct parameters (the tied embedding counted once)."""
         return sum(p.numel() for p in self.parameters())
 
+    # The pipeline contract (runtime/pipeline.py): forward is head(blocks(embed(idx))), and
+    # `embed` and `head` name the modules they use, so a stage keeps only its own.
+    pipeline_embed = ("wte", "wpe", "drop")
+    pipeline_head = ("ln_f", "lm_head")
+    # One Parameter in two places: a pipeline's first and last stages each hold it and sum its gradient.
+    pipeline_tied = ("wte.weight", "lm_head.weight")
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.embed(idx)
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        logits = self.head(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))

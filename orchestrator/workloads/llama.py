@@ -129,11 +129,21 @@ class Llama(nn.Module):
                 scale = math.sqrt(2 * cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
                 nn.init.normal_(p, mean=0.0, std=std / scale)
 
+    # The pipeline contract (runtime/pipeline.py): forward is head(blocks(embed(idx))).
+    pipeline_embed = ("tok_embeddings",)
+    pipeline_head = ("norm", "output")
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(idx)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(idx)
+        x = self.embed(idx)
         for layer in self.layers:
             x = layer(x)
-        return self.output(self.norm(x))
+        return self.head(x)
 
 
 def build(preset: str | None = None, **overrides) -> Llama:

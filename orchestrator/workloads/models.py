@@ -94,6 +94,23 @@ def block_list(model: nn.Module) -> nn.ModuleList:
     return best
 
 
+def block_slots(model: nn.Module) -> list[tuple[nn.Module, int | str]]:
+    """(container, key) of every repeated block, so a caller can wrap one in place: the block
+    list's positions, or a pipeline stage's own blocks (`stage_blocks`, a ModuleDict keyed by
+    each block's index in the whole model, which keeps checkpoint names global)."""
+    own = getattr(model, "stage_blocks", None)
+    if isinstance(own, nn.ModuleDict):
+        return [(own, k) for k in own.keys()]
+    blocks = block_list(model)
+    return [(blocks, i) for i in range(len(blocks))]
+
+
+def block_list_name(model: nn.Module) -> str:
+    """The module path of the model's repeated block list (`h`, `layers`, `model.layers`)."""
+    blocks = block_list(model)
+    return next(name for name, mod in model.named_modules() if mod is blocks)
+
+
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's tensor-parallel plan, module path pattern (`*` for a block index) -> style;
     None when it declares none. Built-in models carry `tp_plan`; Hugging Face ones
