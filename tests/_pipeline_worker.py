@@ -50,7 +50,8 @@ class Case:
 
 CASES = {
     2: [Case("pp2", execution("ddp", Mesh(pp=2), "1f1b"), checkpoint=True),
-        Case("pp2_interleaved", execution("ddp", Mesh(pp=2), "interleaved_1f1b", virtual=2))],
+        Case("pp2_interleaved", execution("ddp", Mesh(pp=2), "interleaved_1f1b", virtual=2)),
+        Case("pp2_zero_bubble", execution("ddp", Mesh(pp=2), "zero_bubble", virtual=2))],
     4: [Case("pp2_dp2", execution("zero3", Mesh(pp=2, dp_shard=2), "1f1b"), checkpoint=True),
         Case("pp2_tp2", execution("ddp", Mesh(pp=2, tp=2), "gpipe"))],
 }

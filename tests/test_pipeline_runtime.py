@@ -1,4 +1,4 @@
-"""Pipelines on gloo train exactly as one process does: pp=2 (1F1B, interleaved 1F1B),
+"""Pipelines on gloo train exactly as one process does: pp=2 (1F1B, interleaved 1F1B, zero bubble),
 pp=2 x dp=2 (FSDP2) and pp=2 x tp=2 (GPipe), loss and clipped gradient norm per step, and a
 DCP checkpoint of every stage that resumes the last step exactly (tests/_pipeline_worker.py)."""
 
@@ -92,3 +92,31 @@ def test_a_model_without_the_pipeline_contract_is_refused_in_one_line() -> None:
 
     with pytest.raises(PlanError, match="parallel.pp > 1 needs a model whose forward"):
         split_model(Plain(), resolve_pipeline(pw.SHAPE, 2, "1f1b", 4), 0)
+
+
+class _NoEnds(torch.nn.Module):
+    """A model the planner can measure (token ids in, logits out, a repeated block list) that
+    does not name its ends, so no pipeline can split it."""
+
+    def __init__(self, vocab: int = 256, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(4))
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def test_a_forced_pipeline_of_a_model_without_ends_is_refused_before_any_worker() -> None:
+    from orchestrator.config import load_config
+    from orchestrator.errors import ConfigError
+    from orchestrator.runtime.driver import measure_model
+
+    cfg = load_config(None, ["parallel.pp=2", "model.block_size=8"])
+    with pytest.raises(ConfigError, match=r"^key 'parallel.pp': parallel.pp > 1 needs a model whose forward"):
+        measure_model(cfg, _NoEnds)
+    assert measure_model(load_config(None, ["model.block_size=8"]), _NoEnds) is not None

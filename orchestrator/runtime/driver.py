@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..config import JobConfig, to_yaml
-from ..errors import CheckpointError, PlanError, RunFailed
+from ..errors import CheckpointError, ConfigError, PlanError, RunFailed
 from ..planning import Plan, plan_job
 from ..planning.cluster_view import plannable
 from ..planning.model_spec import ModelSpec
@@ -73,7 +73,28 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
     (one line naming the key) for a model that breaks the contract."""
     from ..workloads.inspect import is_builtin_gpt, model_spec
 
-    return None if is_builtin_gpt(cfg.model, model_fn) else model_spec(cfg.model, model_fn)
+    if is_builtin_gpt(cfg.model, model_fn):
+        return None
+    spec = model_spec(cfg.model, model_fn)
+    if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
+        _check_pipeline_contract(cfg, model_fn)
+    return spec
+
+
+def _check_pipeline_contract(cfg: JobConfig, model_fn: Callable[..., Any] | None) -> None:
+    """A forced pipeline needs a model that names its ends: refused here, in one line, before
+    any worker starts."""
+    import torch
+
+    from ..workloads.models import build_model
+    from .pipeline import pipeline_parts
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, model_fn)
+    try:
+        pipeline_parts(model)
+    except PlanError as e:
+        raise ConfigError(f"key 'parallel.pp': {e}") from None
 
 
 def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None) -> Plan:
