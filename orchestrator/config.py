@@ -118,7 +118,8 @@ class ParallelConfig:
     """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
     pp: Union[int, str] = 1
     """Pipeline stages (the outermost mesh axis, across the slowest links); `auto` to plan.
-    1 by default: the trainer does not run pipelines yet (`runtime/pipeline.py` has the stages)."""
+    1 by default, which keeps the search of plans without a pipeline as it was; `auto` adds
+    pipelines whose stages fill whole nodes. The accumulation steps are the micro-batches."""
     pp_schedule: PipelineSchedule = PipelineSchedule.auto
     """Pipeline schedule: `auto`, `gpipe`, `1f1b`, `interleaved_1f1b` or `zero_bubble`
     (torch's interleaved zero-bubble schedule)."""

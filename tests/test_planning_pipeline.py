@@ -182,3 +182,12 @@ def test_narayanan_table_1_predicted_throughput_at_the_papers_t_and_p(row):
     auto = plan_job(load_config(None, _model(row)), topo)
     assert auto.fits and auto.step_time.total_s <= plan.step_time.total_s * 1.0001
 
+
+
+def test_the_default_pp_says_how_to_search_pipelines_on_several_nodes():
+    row = TABLE_1[4]
+    plan = plan_job(load_config(None, [x for x in _model(row) if not x.startswith("parallel.pp")]), dgx_a100(4))
+    assert plan.mesh.pp == 1
+    assert any(line.startswith("pipeline: none, parallel.pp=1") for line in plan.explanation)
+    forced = plan_job(load_config(None, _model(row)[:-1] + ["parallel.pp=2", "parallel.tp=8"]), dgx_a100(4))
+    assert forced.mesh.pp == 2 and not any(line.startswith("pipeline: none") for line in forced.explanation)

@@ -171,7 +171,9 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     step_flops = flops_per_step(shape, ctx.global_batch, c.recompute)
     fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
-    st = runtime_states(c.strategy, shape, tp, ex.shard_group, lay, share)
+    # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
+    held = ex.wrapping if pl else c.strategy
+    st = runtime_states(held, shape, tp, ex.shard_group, lay, share)
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
     bubble_s = mm * pl.bubble if pl else 0.0
 
@@ -280,7 +282,9 @@ def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> floa
 def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float) -> MemoryBreakdown:
     """Peak bytes of the fullest rank: every pipeline stage differs (the first holds the
     embeddings and the most micro-batches in flight, the last the head and the logits)."""
-    args = (c.strategy, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
+    # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
+    held = ex.wrapping if ex.pipeline else c.strategy
+    args = (held, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
             ctx.on_gpu)
     pl = ex.pipeline
     if pl is None:

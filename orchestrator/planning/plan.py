@@ -363,6 +363,9 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         lines.append("tensor parallelism: none, the model declares no tensor-parallel plan")
     if e.execution.pipeline is not None:
         lines += pipeline_lines(e, ctx, cl, topo)
+    elif cons.pp == 1 and len(topo.nodes) > 1:
+        lines.append("pipeline: none, parallel.pp=1 (the default); parallel.pp=auto also searches pipelines "
+                     "whose stages fill whole nodes")
     lines += [f"runs as: {note}" for note in e.execution.notes]
     return lines
 
