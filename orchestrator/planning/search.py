@@ -111,18 +111,20 @@ _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
 
 def _simplicity(e: Estimate) -> tuple:
     c = e.choice
-    return (_SIMPLICITY[c.strategy], c.mesh.pp, c.virtual, c.mesh.tp, RECOMPUTES.index(c.recompute),
+    # A pipeline is the bigger step away from plain data parallelism: among near ties, fewer stages first.
+    return (c.mesh.pp, c.virtual, _SIMPLICITY[c.strategy], c.mesh.tp, RECOMPUTES.index(c.recompute),
             c.compression != Compression.none, -c.micro_batch)
 
 
 def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints) -> list[int]:
     """Pipeline degrees worth searching: the forced one; else 1 and, on more than one node, every
     degree whose stages fill whole nodes (the pipeline crosses the network, tensor and data
-    parallelism keep the node's fast links) with at least one block per stage."""
+    parallelism keep the node's fast links) and divides the blocks (equal stages, as Narayanan
+    et al. 2021 run them; uneven splits would only add cases the search must price)."""
     if cons.pp:
         return [cons.pp]
-    return [1] + [p for p in divisors(world) if 1 < p <= layers and (world // p) % g == 0 and world // p >= g
-                  and world > g]
+    return [1] + [p for p in divisors(world) if 1 < p <= layers and layers % p == 0 and (world // p) % g == 0
+                  and world // p >= g and world > g]
 
 
 def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
