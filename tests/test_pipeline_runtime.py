@@ -120,3 +120,21 @@ def test_a_forced_pipeline_of_a_model_without_ends_is_refused_before_any_worker(
     with pytest.raises(ConfigError, match=r"^key 'parallel.pp': parallel.pp > 1 needs a model whose forward"):
         measure_model(cfg, _NoEnds)
     assert measure_model(load_config(None, ["model.block_size=8"]), _NoEnds) is not None
+
+
+def test_the_planner_keeps_a_model_without_ends_out_of_pipelines() -> None:
+    from orchestrator.config import load_config
+    from orchestrator.errors import PlanError as Refused
+    from orchestrator.planning import plan_job
+    from orchestrator.topology.model import ClusterTopology, cpu_node
+    from orchestrator.workloads.inspect import model_spec
+
+    cfg = load_config(None, ["model.block_size=8", "train.global_batch_size=8"])
+    assert not model_spec(cfg.model, _NoEnds).pipeline_ends
+    topo = ClusterTopology(nodes=[cpu_node(2, hostname=f"n{i}", node_id=f"n{i}") for i in range(2)])
+    forced = load_config(None, ["model.block_size=8", "train.global_batch_size=8", "parallel.pp=2"])
+    with pytest.raises(Refused, match=r"^key 'parallel.pp': .* names no ends"):
+        plan_job(forced, topo, model_spec(forced.model, _NoEnds))
+    llama_cfg = load_config(None, ["model.factory=orchestrator.workloads.llama:build", "model.block_size=8",
+                                   "model.args={n_layers: 4}", "train.global_batch_size=8"])
+    assert model_spec(llama_cfg.model).pipeline_ends

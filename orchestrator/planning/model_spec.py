@@ -50,6 +50,9 @@ class ModelSpec:
     """Whether the model declares a tensor-parallel plan; without one the planner keeps tp=1."""
     tied_embeddings: bool
     """Whether the input embedding and the output head share one tensor."""
+    pipeline_ends: bool = False
+    """Whether the model names its ends (`embed`, `head`), so a pipeline can split it at block
+    boundaries; without them the planner keeps pp=1."""
 
     def __post_init__(self) -> None:
         for name in ("params", "blocks", "hidden", "heads", "kv_heads", "vocab", "seq"):

@@ -417,6 +417,9 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
     topology = view.topology
     shape = model_shape(cfg, spec)
     ctx = _context(cfg, topology, shape)
+    if spec is not None and not spec.pipeline_ends and cfg.parallel.pp not in ("auto", 1):
+        raise PlanError(f"key 'parallel.pp': {spec.name} names no ends (embed, head) to cut a pipeline at, so only "
+                        f"pp=1 can run; got {cfg.parallel.pp}")
     if not shape.tp_capable and cfg.parallel.tp not in ("auto", 1):
         raise PlanError(f"key 'parallel.tp': {spec.name if spec else 'the model'} declares no tensor-parallel plan, "
                         f"so only tp=1 can run; got {cfg.parallel.tp}")

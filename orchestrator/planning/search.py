@@ -116,22 +116,24 @@ def _simplicity(e: Estimate) -> tuple:
             c.compression != Compression.none, -c.micro_batch)
 
 
-def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints) -> list[int]:
+def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints, splittable: bool = True) -> list[int]:
     """Pipeline degrees worth searching: the forced one; else 1 and, on more than one node, every
     degree whose stages fill whole nodes (the pipeline crosses the network, tensor and data
     parallelism keep the node's fast links) and divides the blocks (equal stages, as Narayanan
     et al. 2021 run them; uneven splits would only add cases the search must price)."""
     if cons.pp:
         return [cons.pp]
+    if not splittable:
+        return [1]  # the model names no ends to cut a pipeline at
     return [1] + [p for p in divisors(world) if 1 < p <= layers and layers % p == 0 and (world // p) % g == 0
                   and world // p >= g and world > g]
 
 
 def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
-            layers: int = 1) -> list[tuple[Mesh, str]]:
+            layers: int = 1, splittable: bool = True) -> list[tuple[Mesh, str]]:
     """(mesh, why it cannot be used or '') for every mesh of a strategy."""
     out = []
-    for pp in pipeline_degrees(world, g, layers, cons):
+    for pp in pipeline_degrees(world, g, layers, cons, splittable):
         if world % pp:
             out.append((Mesh(world, 1, 1, pp=pp), f"parallel.pp={pp} does not divide the {world} ranks"))
             continue
@@ -204,7 +206,8 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
     fastest = math.inf
     # Every plan without a pipeline first: the fastest of them bounds the pipelined ones.
     cands = [(strategy, mesh, bad) for strategy in strategies
-             for mesh, bad in _meshes(strategy, world, wirings.devices_per_node, n_head, cons, ctx.shape.layers)]
+             for mesh, bad in _meshes(strategy, world, wirings.devices_per_node, n_head, cons, ctx.shape.layers,
+                                      ctx.shape.spec is None or ctx.shape.spec.pipeline_ends)]
     cands.sort(key=lambda x: x[1].pp)
     for strategy, mesh, bad in cands:
         if bad:

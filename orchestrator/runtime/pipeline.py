@@ -36,7 +36,7 @@ from ..choices import PipelineSchedule
 from ..errors import PlanError
 from ..planning.pipeline import Pipeline
 from ..planning.resolve import Execution
-from ..workloads.models import block_list, block_list_name, logits_of
+from ..workloads.models import block_list, block_list_name, logits_of, pipeline_ends
 from .parallelize import Parallelized, clip_grads_with_norm, parallelize, total_grad_norm
 
 
@@ -103,12 +103,12 @@ def split_model(model: nn.Module, pipeline: Pipeline, pp_rank: int) -> list[Stag
 def pipeline_parts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(embedding module names, head module names) of a model that can run in a pipeline;
     PlanError naming what is missing otherwise."""
-    embed, head = getattr(model, "pipeline_embed", None), getattr(model, "pipeline_head", None)
-    if not (embed and head and callable(getattr(model, "embed", None)) and callable(getattr(model, "head", None))):
+    ends = pipeline_ends(model)
+    if ends is None:
         raise PlanError(f"parallel.pp > 1 needs a model whose forward is head(blocks(embed(idx))) and that names "
                         f"its ends (`embed`, `head`, `pipeline_embed`, `pipeline_head`, as the built-in GPT and "
                         f"Llama do); {type(model).__name__} does not; use parallel.pp=1")
-    return tuple(embed), tuple(head)
+    return ends
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..model_source import is_builtin_gpt  # noqa: F401 - re-exported for the driver
 from ..planning.model_spec import ModelSpec
-from .models import block_list, build_model, factory_name, heads_of, logits_of, tp_plan
+from .models import block_list, build_model, factory_name, heads_of, logits_of, pipeline_ends, tp_plan
 
 
 def distinct_params(module: nn.Module) -> int:
@@ -150,7 +150,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         # Measured in the fp32 the meta model holds; the spec states 16-bit values.
         block_activation_bytes=seen["bytes"] * 2 / logits.element_size(),
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
-        tied_embeddings=named > distinct,
+        tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
     )
 
 

@@ -111,6 +111,16 @@ def block_list_name(model: nn.Module) -> str:
     return next(name for name, mod in model.named_modules() if mod is blocks)
 
 
+def pipeline_ends(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(embedding module names, head module names) of a model whose forward is
+    ``head(blocks(embed(idx)))`` and that says so (`embed`, `head`, `pipeline_embed`,
+    `pipeline_head`, as the built-in GPT and Llama do); None for any other model."""
+    embed, head = getattr(model, "pipeline_embed", None), getattr(model, "pipeline_head", None)
+    if embed and head and callable(getattr(model, "embed", None)) and callable(getattr(model, "head", None)):
+        return tuple(embed), tuple(head)
+    return None
+
+
 def tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's tensor-parallel plan, module path pattern (`*` for a block index) -> style;
     None when it declares none. Built-in models carry `tp_plan`; Hugging Face ones
