@@ -150,6 +150,11 @@ def test_pp_plan_round_trips_through_plan_json_and_names_the_axis():
     assert again.execution.pipeline == plan.execution.pipeline
     assert any("stage 0" in line and "ranks" in line for line in plan.explanation)
     assert any("bubble" in line for line in plan.explanation)
+    # The picture names each node's stage and its blocks.
+    from orchestrator.planning.render import render_svg
+
+    svg = render_svg(plan, topo)
+    assert " - stage 0: blocks 0-3<" in svg and " - stage 1: blocks 4-7<" in svg
 
 
 # Narayanan et al. 2021 Table 1: (billions, a, h, l, t, p, GPUs, batch, measured TFLOP/s per GPU).
