@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     mb = 1e6
     print_table(
         f"model-state bytes per rank, {params / 1e6:.2f}M parameters on {args.world} gloo ranks (largest rank)",
-        ["strategy", "mesh (rep x shard x tp)", "pred params MB", "meas params MB", "pred grads MB", "meas grads MB",
-         "pred optim MB", "meas optim MB", "pred total MB", "meas total MB", "error %"],
+        ["strategy", "mesh (pp x rep x shard x tp)", "pred params MB", "meas params MB", "pred grads MB",
+         "meas grads MB", "pred optim MB", "meas optim MB", "pred total MB", "meas total MB", "error %"],
         [[r["strategy"], "x".join(str(v) for v in r["mesh"].values()),
           r["predicted"]["params"] / mb, r["measured"]["params"] / mb, r["predicted"]["grads"] / mb,
           r["measured"]["grads"] / mb, r["predicted"]["optimizer"] / mb, r["measured"]["optimizer"] / mb,

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
           ms(r["placed"]["step_s"]), ms(r["aware"]["step_s"]),
           f"{r['aware']['strategy']} " + "x".join(str(v) for v in r["aware"]["mesh"].values()),
           r["speedup_vs_blind"], r["verdict"]] for r in rows],
-        caption="mesh: dp_replicate x dp_shard x tp; speedup = blind / aware",
+        caption="mesh: pp x dp_replicate x dp_shard x tp; speedup = blind / aware",
     )
     for s in skipped:
         print(f"left out {s['name']}: {s['reason']}")

@@ -50,11 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024]
     rows = [measure(n, 1 if args.quick else 3) for n in sizes]
-    print(f"{'nodes':>6} {'gpus':>6} {'plan s':>8}  {'strategy':<8} {'mesh (rep x shard x tp)':<24} "
+    print(f"{'nodes':>6} {'gpus':>6} {'plan s':>8}  {'strategy':<8} {'mesh (pp x rep x shard x tp)':<27} "
           f"{'step s':>8}  fits")
     for r in rows:
         mesh = "x".join(str(v) for v in r["mesh"].values())
-        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['seconds']:>8.3f}  {r['strategy']:<8} {mesh:<24} "
+        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['seconds']:>8.3f}  {r['strategy']:<8} {mesh:<27} "
               f"{r['step_time_s']:>8.3f}  {r['fits']}")
     out = ROOT / "benchmarks" / "results" / "planner_scale.json"
     out.parent.mkdir(parents=True, exist_ok=True)

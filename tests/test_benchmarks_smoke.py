@@ -114,8 +114,9 @@ def test_cost_model_sizes_span_4k_to_256m():
 def test_memory_model_plans_every_strategy_with_its_mesh():
     planned = memory_model.plans(4, memory_model.QUICK_MODEL)
     got = {c["label"]: (c["plan"]["strategy"], tuple(c["plan"]["mesh"].values())) for c in planned}
-    assert got == {"ddp": ("ddp", (4, 1, 1)), "zero1": ("zero1", (1, 4, 1)), "zero2": ("zero2", (1, 4, 1)),
-                   "zero3": ("zero3", (1, 4, 1)), "hsdp": ("hsdp", (2, 2, 1)), "tp+fsdp": ("zero3", (1, 2, 2))}
+    # Axes pp, dp_replicate, dp_shard, tp.
+    assert got == {"ddp": ("ddp", (1, 4, 1, 1)), "zero1": ("zero1", (1, 1, 4, 1)), "zero2": ("zero2", (1, 1, 4, 1)),
+                   "zero3": ("zero3", (1, 1, 4, 1)), "hsdp": ("hsdp", (1, 2, 2, 1)), "tp+fsdp": ("zero3", (1, 1, 2, 2))}
     with pytest.raises(ValueError, match="even world"):
         memory_model.cases(3)
 
