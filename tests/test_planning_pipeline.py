@@ -196,3 +196,17 @@ def test_the_default_pp_says_how_to_search_pipelines_on_several_nodes():
     assert any(line.startswith("pipeline: none, parallel.pp=1") for line in plan.explanation)
     forced = plan_job(load_config(None, _model(row)[:-1] + ["parallel.pp=2", "parallel.tp=8"]), dgx_a100(4))
     assert forced.mesh.pp == 2 and not any(line.startswith("pipeline: none") for line in forced.explanation)
+
+
+def test_pipeline_explanation_names_a_tied_head_only_where_the_model_ties_it():
+    from orchestrator.config import ModelConfig
+    from orchestrator.workloads.inspect import model_spec
+
+    overrides = ["model.block_size=64", "train.global_batch_size=16", "parallel.pp=2", "parallel.pp_microbatches=4"]
+    llama = ModelConfig(factory="orchestrator.workloads.llama:build", block_size=64,
+                        args={"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256})
+    untied = plan_job(load_config(None, overrides), dgx_a100(2), model_spec(llama))
+    tied = plan_job(load_config(None, overrides + ["model.n_layer=4"]), dgx_a100(2))
+    last = [line for line in untied.explanation if line.startswith("stage 1:")]
+    assert last and "head and loss" in last[0] and "tied" not in last[0]
+    assert any(line.startswith("stage 1:") and "tied copy of the embedding" in line for line in tied.explanation)

@@ -383,6 +383,9 @@ def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: Cluste
     lines = [f"pipeline: {pl.schedule}, {pl.stages} stages x {pl.virtual} chunk(s) per rank, {pl.microbatches} "
              f"micro-batches; bubble {pl.bubble:.1%} of busy time ({e.bubble_s * 1e3:.2f} ms); point-to-point "
              f"{e.comm_parts.get('pipeline p2p', 0.0) * 1e3:.2f} ms per step between adjacent stages over {link}"]
+    # The built-in GPT (no measured spec) ties its head to the embedding; a measured spec says.
+    tied = ctx.shape.spec is None or ctx.shape.spec.tied_embeddings
+    head = "head (tied copy of the embedding)" if tied else "head"
     shown = list(range(pl.stages)) if pl.stages <= max_stages else \
         list(range(max_stages // 2)) + list(range(pl.stages - max_stages // 2, pl.stages))
     for s in shown:
@@ -390,7 +393,7 @@ def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: Cluste
         for c in pl.chunks_of(s):
             a, b = pl.block_range(c)
             ranges.append(f"{a}-{b - 1}" if b - a > 1 else f"{a}")
-        extra = (" + embeddings" if s == 0 else "") + (" + final norm, head (tied copy of wte) and loss"
+        extra = (" + embeddings" if s == 0 else "") + (f" + final norm, {head} and loss"
                                                        if s == (pl.chunks - 1) % pl.stages else "")
         lo, hi = s * per_stage, (s + 1) * per_stage - 1
         nodes = sorted({lo // g, hi // g})
