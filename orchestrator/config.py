@@ -173,6 +173,12 @@ class ElasticConfig:
     """Fewest devices to continue with; below it the run fails instead of re-planning."""
     max_workers: int = 0
     """Most devices to use; 0 means all the cluster has."""
+    hang_factor: float = 20.0
+    """A rank hangs when no step finishes within hang_factor x the plan's predicted step time
+    (but never sooner than hang_floor_s): every rank's stack is saved and the group restarts."""
+    hang_floor_s: float = 300.0
+    """Shortest wait for a step before the run counts as hung, seconds: covers the first step's
+    warm-up, evaluation and checkpoint writes, which report no step while they run."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -23,9 +23,12 @@ from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
 from ..planning import Plan, plan_job
 from ..rundir import RunDir
+from . import supervise
 from .curve import loss_svg
+from .elastic import devices_for_plan
 from .metrics import record_restart
 from .progress import ProgressView
+from .straggler import StragglerTracker, describe
 
 
 @dataclass
@@ -34,6 +37,8 @@ class RunState:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     """One metrics row per completed step, as written to metrics.jsonl."""
+    stragglers: StragglerTracker = field(default_factory=StragglerTracker)
+    """Every rank's own step and exposed-communication times (the current world's ranks)."""
     val: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
@@ -51,9 +56,26 @@ class RunState:
 class WorkerFailure(Exception):
     """A worker actor died or a rank raised while training."""
 
-    def __init__(self, reason: str, ranks: list[int], nodes: list[str]) -> None:
+    def __init__(self, reason: str, ranks: list[int], nodes: list[str], detected_at: str | None = None,
+                 stacks: str | None = None) -> None:
         super().__init__(reason)
         self.reason, self.ranks, self.nodes = reason, ranks, nodes
+        self.detected_at = detected_at or _now()
+        self.stacks = stacks
+        """The run-directory folder with every rank's stacks (a hang), else None."""
+
+
+class Regrow(Exception):
+    """More devices are alive than the running plan was made for: re-plan from the checkpoint
+    just committed (not a failure: it does not count against train.max_failures)."""
+
+    def __init__(self, before: int, now: int, checkpoint: str, step: int) -> None:
+        super().__init__(f"grow: {now} devices available, the plan was made for {before}")
+        self.reason, self.checkpoint, self.step = str(self), checkpoint, step
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def _use_gpu(topology) -> bool:
@@ -61,12 +83,26 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir) -> Plan:
-    plan = plan_job(cfg, topology)
-    run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
-    if not plan.fits:
-        raise PlanError(f"the plan does not fit: {plan.reason}")
-    return plan
+def _plan(cfg: JobConfig, topology, run: RunDir, left_out: list[str]):
+    """The plan that keeps the global batch (on the part of `topology` it uses), with notes on
+    the nodes and devices it leaves out; plan.json is written even when refused: it says why."""
+    from .elastic import plan_keeping_batch
+
+    try:
+        plan, used, note = plan_keeping_batch(cfg, topology)
+    except PlanError:
+        try:
+            run.write_json("plan.json", plan_job(cfg, topology).to_dict())
+        except PlanError:
+            pass
+        raise
+    notes = [note] if note else []
+    if left_out:
+        notes.append(f"left out of the GPU plan (no GPU): {', '.join(left_out)}")
+    if notes:
+        plan = replace(plan, explanation=tuple(plan.explanation) + tuple(notes))
+    run.write_json("plan.json", plan.to_dict())
+    return plan, used, notes
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -109,6 +145,14 @@ def run_job(
         try:
             plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume)
             break
+        except Regrow as g:
+            state.restarts.append({"time": _now(), "reason": g.reason, "ranks": [], "nodes": [], "grow": True,
+                                   "failed_at_step": state.last_step, "resumed_from_step": g.step,
+                                   "steps_lost": max(0, state.last_step - g.step)})
+            console.print(f"[green]{escape(g.reason)}:[/] re-planning from step {g.step}")
+            resume = g.checkpoint
+            state.rewind(g.step)
+            run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in state.rows))
         except WorkerFailure as f:
             found = latest_whole_checkpoint(ckpt_dir, console)
             if found is None and resume_from:
@@ -117,24 +161,27 @@ def run_job(
                 found = (resume_from, int(checkpoint.verify(resume_from)["step"]))
             resume, resume_step = found if found else (None, 0)
             restart = {
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "time": _now(),
+                "detected_at": f.detected_at,
                 "reason": f.reason,
                 "ranks": f.ranks,
                 "nodes": f.nodes,
+                **({"stacks": f.stacks} if f.stacks else {}),
                 "failed_at_step": state.last_step,
                 "resumed_from_step": resume_step,
                 "steps_lost": max(0, state.last_step - resume_step),
             }
             state.restarts.append(restart)
             record_restart(cfg.name)
-            if len(state.restarts) > cfg.train.max_failures:
+            failures = sum(1 for r in state.restarts if not r.get("grow"))
+            if failures > cfg.train.max_failures:
                 run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
                 raise RunFailed(
                     f"rank(s) {f.ranks} failed ({f.reason}) and train.max_failures={cfg.train.max_failures} "
                     f"restarts are used up; the last whole checkpoint is {resume or 'none'}"
                 ) from f
             console.print(
-                f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {len(state.restarts)}/"
+                f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {failures}/"
                 f"{cfg.train.max_failures} from " + (f"step {resume_step} ({escape(resume)})" if resume else
                                                     "step 0: no checkpoint was written yet")
             )
@@ -161,9 +208,13 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
         topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
     run.write_text("topology.json", topology.to_json())
+    topology, left_out = devices_for_plan(topology)
     use_gpu = _use_gpu(topology)
     topology = _elastic(cfg, topology)
-    plan = _plan(cfg, topology, run)
+    devices_at_plan = topology.num_devices
+    plan, topology, notes = _plan(cfg, topology, run, left_out)
+    for note in notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(
         f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
         f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
@@ -196,11 +247,23 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
         start = setups[0]["start_step"]
         if resume:
             console.print(f"resumed from {escape(resume)} at step {start}")
-        finals = _train(cfg, run, console, placement, state, start, ckpt_dir)
+        grow = (lambda: _devices_now(cfg)) if use_gpu else None
+        finals = _train(cfg, run, console, placement, state, start, ckpt_dir, _predicted_step_s(plan),
+                        devices_at_plan, grow)
         ray.get([a.shutdown.remote() for a in actors])
     finally:
         placement.release()
     return plan, setups, finals, placement.reports
+
+
+def _devices_now(cfg: JobConfig) -> int:
+    """GPUs on the cluster's alive nodes now, up to elastic.max_workers."""
+    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")))
+    return min(gpus, cfg.elastic.max_workers) if cfg.elastic.max_workers else gpus
+
+
+def _predicted_step_s(plan: Plan) -> float:
+    return plan.step_time.total_s
 
 
 def _notes(setups: list[dict[str, Any]]) -> list[str]:
@@ -227,24 +290,42 @@ def _elastic(cfg: JobConfig, topology):
     return topology.limit(cfg.elastic.max_workers)
 
 
-def _raise_failure(err: Exception, placement) -> None:
-    """Turn a rank's error into a WorkerFailure naming the ranks whose actors are dead."""
-    dead = []
-    for rank, a in enumerate(placement.actors):
-        try:
-            ray.get(a.report.remote(), timeout=10)
-        except Exception:
-            dead.append(rank)
-    nodes = sorted({placement.reports[r]["node_id"] for r in dead}) if placement.reports else []
+def _raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> None:
+    """Turn a rank's error into a WorkerFailure naming only the ranks whose actors are dead
+    (or no longer answer): survivors stuck in a collective behind them are not failed."""
+    detected = _now()
+    who = supervise.blame(placement.actors, known_dead)
+    dead = who.ranks
+    nodes = _nodes_of(placement, dead)
     kind = "worker died" if dead else "rank raised"
     first = str(err).strip().splitlines()
     detail = next((ln for ln in reversed(first) if ln.strip()), type(err).__name__)[:200]
-    raise WorkerFailure(f"{kind}: {detail}", dead, nodes) from err
+    raise WorkerFailure(f"{kind}: {detail}", dead, nodes, detected) from err
+
+
+def _node_of_rank(placement) -> dict[int, str]:
+    return {r: rep["node_id"] for r, rep in enumerate(placement.reports or [])}
+
+
+def _nodes_of(placement, ranks: list[int]) -> list[str]:
+    return sorted({placement.reports[r]["node_id"] for r in ranks}) if placement.reports else []
+
+
+def _raise_hang(run: RunDir, placement, timeout_s: float, step: int) -> None:
+    """No step finished for `timeout_s`: save every rank's stacks, blame the silent ones."""
+    detected = _now()
+    folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
+    supervise.save_stacks(placement.actors, run.path / folder)
+    who = supervise.blame(placement.actors)
+    raise WorkerFailure(f"hang: no step finished within {timeout_s:.0f} s after step {step}; stacks in {folder}",
+                        who.ranks, _nodes_of(placement, who.ranks), detected, folder)
 
 
 def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunState, start: int,
-           ckpt_dir: str) -> list[dict[str, Any]]:
-    """Run every rank's step loop and follow it through the metrics sink until all return."""
+           ckpt_dir: str, predicted_step_s: float | None = None, devices_at_plan: int = 0,
+           devices_now=None) -> list[dict[str, Any]]:
+    """Run every rank's step loop and follow it through the metrics sink until all return:
+    a rank's future failing is the failure signal, no step for too long is a hang."""
     from .worker import MetricsSink
 
     actors = placement.actors
@@ -255,18 +336,47 @@ def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunS
     ).remote()
     refs = [a.train.remote(start, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
     pending = list(refs)
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    state.stragglers = StragglerTracker()  # this world's ranks only
+    node_of = _node_of_rank(placement)
+    announced: set[int] = set()
+    e = cfg.elastic
+    watchdog = supervise.Watchdog(supervise.hang_timeout_s(predicted_step_s, e.hang_factor, e.hang_floor_s))
     try:
         with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
             while True:
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-                _consume(ray.get(sink.drain.remote()), state, run, view, cfg.monitor.log_interval)
+                done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+                if done:  # take whatever else finished with it, so every dead rank is seen at once
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+                    done += more
+                items = ray.get(sink.drain.remote())
+                if items:
+                    watchdog.progressed()
+                saved = [(it["step"], it["path"]) for it in items if it["kind"] == "checkpoint"]
+                timed = any(it["kind"] == "times" for it in items)
+                _consume(items, state, run, view, cfg.monitor.log_interval)
+                if timed:
+                    slow = [s for s in state.stragglers.report(node_of) if s["rank"] not in announced]
+                    if slow:
+                        announced.update(s["rank"] for s in slow)
+                        console.print(f"[yellow]straggler:[/] {escape(describe(slow))}")
+                errors = {}
                 for ref in done:
                     try:
                         ray.get(ref)
-                    except (RayActorError, RayTaskError) as e:
-                        _raise_failure(e, placement)
+                    except (RayActorError, RayTaskError) as err:
+                        errors[rank_of[ref]] = err
+                if errors:
+                    first = errors[min(errors)]
+                    _raise_failure(first, placement, supervise.dead_from_futures(errors))
                 if not pending:
                     break
+                # Grow only at a checkpoint boundary: the checkpoint just committed is where the
+                # larger world resumes, so (almost) nothing is recomputed.
+                if saved and devices_now is not None and (now := devices_now()) > devices_at_plan:
+                    raise Regrow(devices_at_plan, now, saved[-1][1], saved[-1][0])
+                if watchdog.hung():
+                    _raise_hang(run, placement, watchdog.timeout_s, state.last_step)
         return ray.get(refs)
     finally:
         ray.kill(sink)
@@ -282,6 +392,8 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
             state.val.append((it["step"], it["val_loss"]))
         elif kind == "checkpoint":
             state.checkpoints.append(it["path"])
+        elif kind == "times":
+            state.stragglers.add(it["rank"], [tuple(t) for t in it["times"]])
         elif kind == "step":
             row = {k: it.get(k) for k in ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s",
                                           "grad_norm", "mfu", "val_loss")}
@@ -333,6 +445,7 @@ def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, repo
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
         "restarts": state.restarts,
+        "stragglers": state.stragglers.report({r["rank"]: r["node_id"] for r in reports}),
     }
 
 

@@ -74,6 +74,10 @@ def _bind_cpus(cpu_affinity: str, rank: int) -> list[str]:
     return []
 
 
+TIMES_BATCH = 10
+"""Steps of per-rank timings sent to the driver at once (one small message per rank per batch)."""
+
+
 @ray.remote
 class MetricsSink:
     """Collects what ranks push; the driver drains it."""
@@ -89,7 +93,9 @@ class MetricsSink:
         return items
 
 
-@ray.remote
+# Liveness and stack dumps answer on their own thread: a rank busy in a step, or blocked in a
+# collective waiting for a dead peer, still says it is alive (and where it is).
+@ray.remote(concurrency_groups={"control": 1})
 class Worker:
     def __init__(self, rank: int, world: int, cpu_slot: int, threads: int) -> None:
         import torch
@@ -100,8 +106,24 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.trainer = None
 
+    @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
         return {"rank": self.rank, **device_report(self.cpu_slot)}
+
+    @ray.method(concurrency_group="control")
+    def alive(self) -> int:
+        return self.rank
+
+    @ray.method(concurrency_group="control")
+    def stacks(self) -> str:
+        """Every thread's Python stack in this process, as faulthandler writes it."""
+        import faulthandler
+        import tempfile
+
+        with tempfile.TemporaryFile("w+") as f:  # faulthandler needs a real file descriptor
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            return f"rank {self.rank}, pid {os.getpid()}\n" + f.read()
 
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -160,6 +182,7 @@ class Worker:
             last_val = tr.evaluate()  # the untrained model's loss: the baseline of the curve
             if self.rank == 0:
                 sink.put.remote({"kind": "eval", "step": 0, "val_loss": last_val})
+        times: list[tuple[float, float]] = []  # this rank's own timings, for the straggler report
         for step in range(start, end):
             res = tr.train_step(step)
             done = step + 1  # metrics count completed optimizer steps
@@ -172,6 +195,10 @@ class Worker:
             self.metrics.record_step(row)
             if self.rank == 0:
                 sink.put.remote({"kind": "step", **row})
+            times.append((res.step_s, res.exposed_comm_s))
+            if len(times) >= TIMES_BATCH or final:
+                sink.put.remote({"kind": "times", "rank": self.rank, "times": times})
+                times = []
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
                 path = checkpoint.save(
