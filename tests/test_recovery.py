@@ -48,11 +48,11 @@ def gpu_less_head(tmp_path):
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                            "health_check_failure_threshold": 3},
     })
-    workers = [cluster.add_node(num_cpus=2, num_gpus=2, env_vars=env) for _ in range(3)]
-    ray.init(address=cluster.address)
-    cluster.wait_for_nodes()
-    cluster.workers, cluster.env = workers, env
     try:
+        workers = [cluster.add_node(num_cpus=2, num_gpus=2, env_vars=env) for _ in range(3)]
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        cluster.workers, cluster.env = workers, env
         yield cluster
     finally:
         ray.shutdown()
@@ -79,7 +79,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     events: dict = {}
     stopped: list[int] = []
 
-    def wait_for(pred, timeout=150):
+    def wait_for(pred, timeout=400):  # generous: a loaded 2-core host places actors slowly
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = sorted(runs.glob("llm-*"))
@@ -104,7 +104,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
             events["removed"] = node.node_id
             events["removed_ranks"] = [p["rank"] for p in _placement(run) if p["node_id"] == node.node_id]
             gpu_less_head.remove_node(node, allow_graceful=False)
-            run = wait_for(lambda r: len(_placement(r)) == 2 and _last_step(r) >= 22)
+            run = wait_for(lambda r: len(_placement(r)) == 2)
             events["shrunk_plan"] = json.loads((run / "plan.json").read_text())
             gpu_less_head.add_node(num_cpus=2, num_gpus=2, env_vars=gpu_less_head.env)
             events["added"] = True
@@ -115,7 +115,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     t.start()
     try:
         cfg = load_config(ROOT / "jobs" / "llm.yaml", [
-            *TINY, f"monitor.runs_dir={runs}", "train.max_steps=36", "train.eval_interval=30",
+            *TINY, f"monitor.runs_dir={runs}", "train.max_steps=100", "train.eval_interval=30",
             "checkpoint.interval=2", "train.max_failures=3", "elastic.max_workers=6", "elastic.hang_floor_s=8",
         ])
         run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
@@ -127,7 +127,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
             except ProcessLookupError:
                 pass
     t.join(timeout=5)
-    assert events.get("added"), events
+    assert events.get("added"), (events, summary["restarts"])
     kill, hang, lost, grow = summary["restarts"]
 
     # kill -9: only that rank and its node are blamed, and detection did not wait on the others
@@ -157,5 +157,5 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     assert grow["reason"].startswith("grow") and grow["ranks"] == [] and grow["steps_lost"] <= 4, grow
     assert summary["world_size"] == 6
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 37))
-    assert summary["steps"] == 36
+    assert [r["step"] for r in rows] == list(range(1, 101))
+    assert summary["steps"] == 100
