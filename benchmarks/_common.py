@@ -45,7 +45,8 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
     try:
         import ray
 

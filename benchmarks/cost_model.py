@@ -41,16 +41,22 @@ def iterations(nbytes: int) -> int:
     return max(_MIN_ITERS, min(_MAX_ITERS, _BYTES_PER_SIZE // max(nbytes, 1)))
 
 
-def predict(op: str, nbytes: int, world: int, latency_us: float, bandwidth_gbps: float, backend: str) -> float:
+def predict(op: str, nbytes: int, world: int, latency_us: float, bandwidth_gbps: float, backend: str,
+            across_nodes: bool = False) -> float:
     """The planner's time of `op` on an n-byte buffer over `world` ranks of one node whose
     links are the fitted (latency, bandwidth): what `planning.cost.group_links` builds for
     the group (gloo with a CPU slot's memory bandwidth, or NCCL), priced by `planning.comm`."""
     from orchestrator.planning.comm import GroupLinks, group_all_gather, group_all_reduce, group_reduce_scatter
     from orchestrator.planning.gpus import CPU_SLOT
 
-    links = GroupLinks(size=world, per_node=world, intra_gbps=bandwidth_gbps, intra_lat_us=latency_us,
-                       inter_gbps=math.inf, inter_lat_us=0.0,
-                       gloo_mem_gbps=CPU_SLOT.mem_gbps if backend == "gloo" else None)
+    if across_nodes:  # one rank per node: every hop crosses the network
+        links = GroupLinks(size=world, per_node=1, intra_gbps=math.inf, intra_lat_us=0.0,
+                           inter_gbps=bandwidth_gbps, inter_lat_us=latency_us,
+                           gloo_mem_gbps=CPU_SLOT.mem_gbps if backend == "gloo" else None)
+    else:
+        links = GroupLinks(size=world, per_node=world, intra_gbps=bandwidth_gbps, intra_lat_us=latency_us,
+                           inter_gbps=math.inf, inter_lat_us=0.0,
+                           gloo_mem_gbps=CPU_SLOT.mem_gbps if backend == "gloo" else None)
     if op == "all_reduce":
         return group_all_reduce(nbytes, links)[0]
     if op == "reduce_scatter":
@@ -89,7 +95,8 @@ def _time_collective(op: str, nbytes: int, world: int, device, sync) -> float:
     return statistics.median(times)
 
 
-def _rank(rank: int, world: int, port: int, backend: str, sizes: list[int], probe_sizes: list[int], out: str) -> None:
+def _rank(rank: int, world: int, port: int, backend: str, sizes: list[int], probe_sizes: list[int], out: str,
+          master: str = "127.0.0.1") -> None:
     """One process: the measured probe's ping-pong between ranks 0 and 1, then every collective."""
     import torch
     import torch.distributed as dist
@@ -99,7 +106,7 @@ def _rank(rank: int, world: int, port: int, backend: str, sizes: list[int], prob
     use_gpu = backend == "nccl"
     worker = BenchWorker(use_gpu)
     visible = ",".join(str(i) for i in range(world)) if use_gpu else None
-    worker.setup(rank, world, f"127.0.0.1:{port}", visible, str(rank) if use_gpu else None)
+    worker.setup(rank, world, f"{master}:{port}", visible, str(rank) if use_gpu else None)
     sync = (lambda: torch.cuda.synchronize(worker.device)) if use_gpu else (lambda: None)
     if rank < 2:
         # The first exchanges pay for lazily set-up buffers and threads; the probe's own two
@@ -149,11 +156,12 @@ def measure(world: int, backend: str, sizes: list[int], probe_sizes: list[int]) 
     return raw
 
 
-def _rows(raw: dict[str, Any], world: int, backend: str, sizes: list[int], lat: float, bw: float) -> list[dict]:
+def _rows(raw: dict[str, Any], world: int, backend: str, sizes: list[int], lat: float, bw: float,
+          across_nodes: bool = False) -> list[dict]:
     rows = []
     for op in OPS:
         for size, meas in zip(sizes, raw["measured"][op]):
-            pred = predict(op, size, world, lat, bw, backend)
+            pred = predict(op, size, world, lat, bw, backend, across_nodes)
             rows.append({"op": op, "bytes": size, "measured_s": meas, "predicted_s": pred,
                          "error": rel_error(pred, meas)})
     return rows
@@ -202,6 +210,54 @@ def compare(raw: dict[str, Any], world: int, backend: str, sizes: list[int]) -> 
     }
 
 
+def measure_shaped(gbit: float, ms: float, sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
+    """Two ranks, each in its own network namespace, joined by a link shaped to `gbit` Gbit/s and
+    `ms` one way (`orchestrator.testbed`): the probe's ping-pong and every collective cross it."""
+    import subprocess
+    import sys
+
+    from orchestrator.testbed.network import NetworkSpec, Shaping, create, remove
+
+    # Its own prefix and subnet: a topology_gain cluster or the test suite may run beside it.
+    spec = NetworkSpec(prefix="orchcm-", subnet="198.18.1.0/24")
+    create(spec, 2, Shaping(gbit, ms))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "cost.json")
+            code = ("import sys; sys.path[:0] = [{bench!r}, {root!r}]; from cost_model import _rank; "
+                    "_rank({{r}}, 2, 29512, 'gloo', {sizes}, {probe}, {out!r}, {master!r})").format(
+                        bench=str(Path(__file__).parent), root=str(Path(__file__).parent.parent), sizes=list(sizes),
+                        probe=list(probe_sizes), out=out, master=spec.address(0))
+            env = {**__import__("os").environ, "GLOO_SOCKET_IFNAME": "eth0"}
+            procs = [subprocess.Popen(["ip", "netns", "exec", spec.node_ns(r), sys.executable, "-c",
+                                       code.replace("{r}", str(r))], env=env) for r in (0, 1)]
+            if any(p.wait() != 0 for p in procs):
+                raise RuntimeError(f"a rank failed on the {gbit} Gbit/s, {ms} ms link")
+            raw = json.loads(Path(out).read_text())
+    finally:
+        remove(spec.prefix)
+    if "error" in raw:
+        raise RuntimeError(f"the probe's ping-pong across the {gbit} Gbit/s link cannot be fitted: {raw['error']}")
+    return raw
+
+
+def shaped(shapings: list[tuple[float, float]], sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
+    """Prediction error of collectives between two nodes over each shaped link, the link priced
+    from the measured probe's ping-pong across it (nothing fitted to the collectives)."""
+    runs = []
+    for gbit, ms in shapings:
+        raw = measure_shaped(gbit, ms, sizes, probe_sizes)
+        lat, bw = raw["probe"]["latency_us"], raw["probe"]["bandwidth_gbps"]
+        rows = _rows(raw, 2, "gloo", sizes, lat, bw, across_nodes=True)
+        runs.append({"inter_gbit": gbit, "inter_ms": ms, "probe_gbit": bw * 8, "probe_latency_us": lat,
+                     "rows": rows, **_errors(rows)})
+        print(f"{gbit} Gbit/s {ms} ms: probe {bw * 8:.3g} Gbit/s {lat:.0f} us, mean error "
+              f"{runs[-1]['mean_error']:.1%}", flush=True)
+    mean = statistics.fmean(r["mean_error"] for r in runs)
+    return {"shapings": runs, "mean_error": mean,
+            "goal": {"mean_error_below": GOAL_MEAN_ERROR, "met": mean < GOAL_MEAN_ERROR}}
+
+
 def _size(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
 
@@ -213,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--world", type=int, default=2, help="processes (ranks) to run the collectives among")
         ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="auto: NCCL when there is a GPU per rank, else gloo")
+        ap.add_argument("--shaped", metavar="G:M,...", default=None,
+                        help="instead: two ranks in network namespaces over links of G Gbit/s and M ms (root)")
 
     args = parse_args(__doc__, argv, extra)
     backend = args.backend
@@ -224,6 +282,22 @@ def main(argv: list[str] | None = None) -> int:
 
     probe_sizes = list(PROBE_QUICK if args.quick else PROBE_FULL)
     t0 = time.perf_counter()
+    if args.shaped:
+        try:
+            shapings = [(float(g), float(m)) for g, m in (x.split(":") for x in args.shaped.split(","))]
+        except ValueError:
+            raise SystemExit(f"--shaped {args.shaped!r}: expected G:M pairs, e.g. 0.2:0.1,1:1,5:5") from None
+        result = shaped(shapings, sizes, probe_sizes)
+        result["seconds"] = time.perf_counter() - t0
+        print_table("collectives between two shaped nodes: planner's prediction vs measured",
+                    ["link", "probe", "op", "size", "measured ms", "predicted ms", "error %"],
+                    [[f"{r['inter_gbit']} Gbit/s {r['inter_ms']} ms", f"{r['probe_gbit']:.3g} Gbit/s", row["op"],
+                      _size(row["bytes"]), row["measured_s"] * 1e3, row["predicted_s"] * 1e3, row["error"] * 100]
+                     for r in result["shapings"] for row in r["rows"]],
+                    caption=f"mean error {result['mean_error']:.1%} (goal < {GOAL_MEAN_ERROR:.0%})")
+        out = write_result("cost_model_shaped", result, args)
+        print(f"wrote {out}")
+        return 0
     result = compare(measure(args.world, backend, sizes, probe_sizes), args.world, backend, sizes)
     result["seconds"] = time.perf_counter() - t0
     cal = result["calibration"]

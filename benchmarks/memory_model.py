@@ -65,6 +65,7 @@ def _rank(rank: int, world: int, port: int, cases_: list[dict[str, Any]], out: s
     import torch.distributed as dist
 
     from orchestrator.config import load_config
+    from orchestrator.planning import Plan
     from orchestrator.runtime.trainer import Trainer, init_process_group
 
     torch.set_num_threads(1)
@@ -72,7 +73,8 @@ def _rank(rank: int, world: int, port: int, cases_: list[dict[str, Any]], out: s
     measured = []
     for case in cases_:
         cfg = load_config(None, case["overrides"])
-        tr = Trainer(cfg, case["plan"], torch.device("cpu"))
+        # The plan crosses into the rank as its plan.json contract and is read back from it.
+        tr = Trainer(cfg, Plan.from_dict(case["plan"]), torch.device("cpu"))
         tr.train_step(0)  # creates the optimizer state
         # One more forward/backward after the step so gradients are held as they are at peak.
         x, y = tr.data.train_batch(1, cfg.train.global_batch_size, tr.dp_rank, tr.dp_world)

@@ -65,9 +65,10 @@ def clusters(quick: bool) -> list[dict[str, Any]]:
     from omegaconf import OmegaConf
 
     from orchestrator.errors import UserError
-    from orchestrator.planning.describe import describe_cluster, network_from_nics
+    from orchestrator.planning.describe import describe_cluster
     from orchestrator.topology.files import load_topology_file
     from orchestrator.topology.model import Network
+    from orchestrator.topology.network import network_from_nodes
 
     out = []
     for path in sorted(FIXTURES.iterdir()):
@@ -80,7 +81,7 @@ def clusters(quick: bool) -> list[dict[str, Any]]:
         if node.num_devices < 2:
             out.append({"name": path.name, "skipped": f"describes {node.num_devices} GPUs: nothing to place"})
             continue
-        topo = describe_cluster(node, 1, network_from_nics(node, 10.0), gpu)
+        topo = describe_cluster(node, 1, network_from_nodes([node]), gpu)
         out.append({"name": path.name, "gpu": gpu, "nodes": 1, "topology": topo})
     for shape in sorted(SHAPES.glob("*.yaml")):
         c = OmegaConf.load(shape).cluster
@@ -94,7 +95,7 @@ def clusters(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
-def identity_layout(wirings, mesh: tuple[int, int, int]):
+def identity_layout(wirings, mesh):
     """The layout Ray's default order gives: local rank j on GPU j of every node, with the
     in-node rings each axis then crosses, measured as the planner measures its own."""
     from orchestrator.planning.layout import cluster_layout
@@ -117,13 +118,13 @@ def equal_links(topo):
     return flat
 
 
-def _choice(plan: dict[str, Any]):
+def _choice(plan):
+    """The planner's choice in a Plan, as `cost.estimate` takes it (the all-reduce schedule left
+    to the cost model, so it suits the layout it is priced on)."""
     from orchestrator.planning.cost import Choice
-    from orchestrator.planning.layout import AXES
 
-    return Choice(strategy=plan["strategy"], mesh=tuple(plan["mesh"][a] for a in AXES),
-                  micro_batch=plan["micro_batch_size"], recompute=plan["recompute"],
-                  compression=plan["sync"]["compression"])
+    return Choice(strategy=plan.strategy, mesh=plan.mesh, micro_batch=plan.micro_batch_size, recompute=plan.recompute,
+                  compression=plan.sync.compression)
 
 
 def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
@@ -139,23 +140,23 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
     cfg = load_config(None, overrides)
     ctx = job_context(cfg, topo)
     wirings = Wirings.of(topo)
-    aware = plan_job(cfg, topo).to_dict()
+    aware = plan_job(cfg, topo)
     out: dict[str, Any] = {
-        "aware": {"strategy": aware["strategy"], "mesh": aware["mesh"], "fits": aware["fits"],
-                  "step_s": aware["step_time"]["total_s"], "exposed_comm_s": aware["step_time"]["exposed_comm_s"],
-                  "gpu_order": [r["gpu"] for r in aware["ranks"][:topo.nodes[0].num_devices]]},
+        "aware": {"strategy": str(aware.strategy), "mesh": aware.mesh.to_dict(), "fits": aware.fits,
+                  "step_s": aware.step_time.total_s, "exposed_comm_s": aware.step_time.exposed_comm_s,
+                  "gpu_order": [r.gpu for r in aware.ranks[:topo.nodes[0].num_devices]]},
     }
     chosen = _choice(aware)
     placed = estimate(ctx, identity_layout(wirings, chosen.mesh), chosen)
     out["placed"] = {"step_s": placed.total_s, "exposed_comm_s": placed.exposed_comm_s,
                      "fits": placed.fits(ctx.usable_bytes)}
-    equal = plan_job(cfg, equal_links(topo)).to_dict()
+    equal = plan_job(cfg, equal_links(topo))
     c = _choice(equal)
     priced = estimate(ctx, identity_layout(wirings, c.mesh), c)
-    out["equal_links"] = {"strategy": equal["strategy"], "mesh": equal["mesh"], "step_s": priced.total_s,
+    out["equal_links"] = {"strategy": str(equal.strategy), "mesh": equal.mesh.to_dict(), "step_s": priced.total_s,
                           "fits": priced.fits(ctx.usable_bytes)}
     try:
-        ddp = plan_job(load_config(None, [*overrides, "parallel.strategy=ddp", "parallel.tp=1"]), topo).to_dict()
+        ddp = plan_job(load_config(None, [*overrides, "parallel.strategy=ddp", "parallel.tp=1"]), topo)
     except PlanError as e:
         out["blind"] = {"step_s": None, "fits": False, "reason": str(e)}
     else:
@@ -163,7 +164,7 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
         blind = estimate(ctx, identity_layout(wirings, c.mesh), c)
         out["blind"] = {"step_s": blind.total_s, "exposed_comm_s": blind.exposed_comm_s,
                         "fits": blind.fits(ctx.usable_bytes), "micro_batch_size": c.micro_batch,
-                        "recompute": c.recompute}
+                        "recompute": str(c.recompute)}
     a, b, p = out["aware"]["step_s"], out["blind"]["step_s"], out["placed"]["step_s"]
     out["speedup_vs_blind"] = b / a if b and out["blind"]["fits"] and out["aware"]["fits"] else None
     out["placement_speedup"] = p / a if out["aware"]["fits"] else None
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         "predicted step time (ms): topology-blind DDP vs the topology-aware plan",
         ["cluster", "GPU", "nodes", "model", "blind DDP", "equal-links plan", "plan, Ray order", "aware plan",
          "aware mesh", "speedup", "where it matters"],
-        [[Path(r["cluster"]).stem[:32], r["gpu"], r["nodes"], r["model"], ms(r["blind"]["step_s"]) if r["blind"]["fits"] else "no fit",
+        [[Path(r["cluster"]).stem[:32], r["gpu"], r["nodes"], r["model"],
+          ms(r["blind"]["step_s"]) if r["blind"]["fits"] else "no fit",
           ms(r["equal_links"]["step_s"]) if r["equal_links"]["fits"] else "no fit",
           ms(r["placed"]["step_s"]), ms(r["aware"]["step_s"]),
           f"{r['aware']['strategy']} " + "x".join(str(v) for v in r["aware"]["mesh"].values()),

@@ -40,8 +40,8 @@ def measure(nodes: int, repeats: int) -> dict:
         t0 = time.perf_counter()
         plan = plan_job(cfg, topo)
         best = min(best, time.perf_counter() - t0)
-    return {"nodes": nodes, "gpus": plan.world_size, "seconds": round(best, 4), "strategy": plan.strategy,
-            "mesh": plan.mesh, "fits": plan.fits, "step_time_s": round(plan.step_time["total_s"], 4)}
+    return {"nodes": nodes, "gpus": plan.world_size, "seconds": round(best, 4), "strategy": str(plan.strategy),
+            "mesh": plan.mesh.to_dict(), "fits": plan.fits, "step_time_s": round(plan.step_time.total_s, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024]
     rows = [measure(n, 1 if args.quick else 3) for n in sizes]
-    print(f"{'nodes':>6} {'gpus':>6} {'plan s':>8}  {'strategy':<8} {'mesh (rep x shard x tp)':<24} {'step s':>8}  fits")
+    print(f"{'nodes':>6} {'gpus':>6} {'plan s':>8}  {'strategy':<8} {'mesh (rep x shard x tp)':<24} "
+          f"{'step s':>8}  fits")
     for r in rows:
         mesh = "x".join(str(v) for v in r["mesh"].values())
-        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['seconds']:>8.3f}  {r['strategy']:<8} {mesh:<24} {r['step_time_s']:>8.3f}  {r['fits']}")
+        print(f"{r['nodes']:>6} {r['gpus']:>6} {r['seconds']:>8.3f}  {r['strategy']:<8} {mesh:<24} "
+              f"{r['step_time_s']:>8.3f}  {r['fits']}")
     out = ROOT / "benchmarks" / "results" / "planner_scale.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"capture": CAPTURE.name, "model": MODEL, "rows": rows}, indent=2) + "\n")

@@ -70,11 +70,13 @@ def train_loop(job_overrides: list[str], plan: dict[str, Any], result: str) -> N
     import torch.distributed as dist
 
     from orchestrator.config import load_config
+    from orchestrator.planning import Plan
     from orchestrator.runtime.trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = load_config(JOB, job_overrides)
-    tr = Trainer(cfg, plan, torch.device("cpu"))
+    # The plan arrives as its JSON contract (plan.json's), as the launchers hand it over.
+    tr = Trainer(cfg, Plan.from_dict(plan), torch.device("cpu"))
     tr.evaluate()
     first_end, steps = None, []
     for step in range(cfg.train.max_steps):
@@ -225,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_once(launcher, plan, job_overrides, Path(tmp))
                 r["repeat"] = rep
                 runs.append(r)
-                print(f"  {launcher:<10} first step after {r['first_step_s']:6.2f} s, {r['tokens_per_s']:,.0f} tokens/s",
-                      file=sys.stderr)
+                print(f"  {launcher:<10} first step after {r['first_step_s']:6.2f} s, "
+                      f"{r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
     result = {"job": str(JOB.relative_to(ROOT)), "overrides": job_overrides, "world": WORLD, "steps": steps,
               "plan": {k: plan[k] for k in ("strategy", "mesh", "micro_batch_size", "sync")},
               "runs": runs, **summarize(runs), "seconds": time.perf_counter() - t0,
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         f"DDP on {WORLD} CPU workers, {steps} steps, median of {repeats} launch(es) each",
         ["launcher", "launch to first step s", "tokens/s (steady)", "ours / this: tokens/s", "ours / this: first step"],
         [[name, med[name]["first_step_s"], med[name]["tokens_per_s"],
-          med["ours"]["tokens_per_s"] / med[name]["tokens_per_s"], med["ours"]["first_step_s"] / med[name]["first_step_s"]]
+          med["ours"]["tokens_per_s"] / med[name]["tokens_per_s"],
+          med["ours"]["first_step_s"] / med[name]["first_step_s"]]
          for name in LAUNCHERS],
         caption=f"goals: throughput >= {GOAL_THROUGHPUT_VS_TORCHRUN}x torchrun's "
                 f"({rat['throughput_ours_over_torchrun']:.3f}x); first step no later than Ray Train's "

@@ -21,6 +21,11 @@ class Choice(str, Enum):
         return format(str(self.value), spec)
 
     @classmethod
+    def _missing_(cls, value: object) -> "Choice | None":
+        # By name too, so an alias such as Strategy("fsdp") means what parallel.strategy=fsdp does.
+        return cls.__members__.get(value) if isinstance(value, str) else None
+
+    @classmethod
     def concrete(cls) -> tuple["Choice", ...]:
         """Every member a plan may hold (all but `auto`), in declaration order."""
         return tuple(m for m in cls if m.value != "auto")

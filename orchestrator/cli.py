@@ -22,7 +22,10 @@ COMMANDS = {
     "status": ("status", "list the jobs of a Ray cluster, or show one"),
     "logs": ("logs", "print (or follow) the output of a job on a Ray cluster"),
     "stop": ("stop", "stop a job on a Ray cluster and wait until it has ended"),
+    "prepare": ("prepare", "tokenize text (a file, a directory, JSONL) into a token file to train on"),
+    "export": ("export", "write a run's final weights as safetensors (a transformers GPT-2 model)"),
     "node-labels": ("node_labels", "print this machine's Ray node labels for `ray start --labels`"),
+    "testbed": ("testbed", "run a command on a local multi-node Ray cluster with shaped links (root)"),
 }
 
 
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        from .signals import exit_code
+
+        # Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), as shells report them.
+        code = exit_code(e)
+        print("stopped (SIGTERM)" if code == 143 else "interrupted", file=sys.stderr)
+        return code

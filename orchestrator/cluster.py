@@ -17,12 +17,14 @@ def connect(
     num_cpus: float | None = None,
     dashboard: bool = False,
     runtime_env: dict | None = None,
+    name: str = "cluster.address",
 ) -> Iterator[str | None]:
     """Yield with Ray initialised; shut down only what this call started.
 
     `address=None` always starts a new private local cluster (`address="local"`), so neither
     RAY_ADDRESS nor a stale `/tmp/ray/ray_current_cluster` can attach the job to someone
-    else's cluster by accident. Yields the dashboard URL when there is one.
+    else's cluster by accident. Yields the dashboard URL when there is one. An address where
+    no Ray cluster answers raises ClusterUnreachable naming `name` (the key or flag it came from).
     """
     import ray
 
@@ -44,11 +46,15 @@ def connect(
         # speaks to people who started a cluster themselves.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     else:
-        kwargs.update(address=address)
+        from .reach import check_gcs
+
+        # A cluster that is not there answers in seconds here, not after Ray's minutes of retries.
+        # (A ray:// client address is Ray Client's to check.)
+        kwargs.update(address=address if "://" in address else check_gcs(address, name))
     try:
         ctx = ray.init(**kwargs)
     except ConnectionError as e:
-        raise UserError(f"cluster.address={address}: cannot connect to a Ray cluster there ({e})") from e
+        raise UserError(f"{name}={address}: cannot connect to a Ray cluster there ({e})") from e
     try:
         yield getattr(ctx, "dashboard_url", None) or None
     finally:

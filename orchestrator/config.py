@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,10 +20,25 @@ from omegaconf.errors import OmegaConfBaseException
 from .choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from .errors import ConfigError
 
+GPT_FACTORY = "orchestrator.workloads.gpt:build"
+"""The built-in GPT's factory: the default model."""
+
 
 @dataclass
 class ModelConfig:
-    """The GPT decoder (nanoGPT's names)."""
+    """The model: the built-in GPT (nanoGPT's names below), or any factory by import path."""
+
+    factory: str = GPT_FACTORY
+    """`package.module:callable` returning an `nn.Module` whose forward maps token ids [B, T] to logits
+    [B, T, V] (or an object with `.logits`); importable here and shipped to every worker. The
+    built-in Llama family is `orchestrator.workloads.llama:build` (`args: {preset: llama3-8b}`)."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of `factory`. The built-in GPT also receives the n_layer ... bias fields below."""
+    hf_config: Optional[str] = None
+    """A Hugging Face `config.json` to build a `transformers` causal LM from (random init; needs `.[hf]`);
+    overrides `factory`. Nothing is ever downloaded."""
+    hf_weights: Optional[str] = None
+    """Local `.safetensors` weights to load into the `hf_config` model."""
 
     n_layer: int = 4
     """Number of transformer blocks."""
@@ -46,9 +61,13 @@ class DataConfig:
     """Training text."""
 
     path: Optional[str] = None
-    """A UTF-8 text file to train on; None uses the text of Python's `pydoc_data.topics`."""
+    """What to train on, by suffix: `.bin` (nanoGPT's raw uint16 tokens), `.npy` (a 1-D integer
+    array, e.g. from `prepare`) or any other file as UTF-8 text (its bytes are the tokens); None
+    uses the text of Python's `pydoc_data.topics`. Token files are memory-mapped, never read whole."""
     val_fraction: float = 0.1
-    """Fraction of the tokens (the tail of the text) held out for validation."""
+    """Fraction of the tokens (the tail of the file) held out for validation, unless `val_path` is set."""
+    val_path: Optional[str] = None
+    """A separate validation file (same formats as `path`); when set, all of `path` trains."""
 
 
 @dataclass
@@ -149,6 +168,14 @@ class CheckpointConfig:
     """Directory (or fsspec URI) for checkpoints; None uses `<run dir>/checkpoints`."""
     keep_last: int = 2
     """How many whole checkpoints to keep."""
+    async_save: bool = True
+    """Write interval checkpoints in the background (`dcp.async_save`): training waits only
+    while the state is copied to CPU memory, and the checkpoint is committed after the next
+    step; the final checkpoint is always written before the run returns. False: every rank
+    waits for each checkpoint to be written."""
+    export: bool = False
+    """At the end of the run, also write the final weights as safetensors to `<run dir>/export`
+    (as the `export` command does; needs the `hf` extra)."""
 
 
 @dataclass
@@ -263,7 +290,8 @@ def load_config(job_file: str | os.PathLike | None, overrides: list[str] | tuple
             inc = conf_dir() / f"{name}.yaml"
             if not inc.is_file():
                 choices = sorted(str(p.relative_to(conf_dir()))[:-5] for p in conf_dir().rglob("*.yaml"))
-                raise ConfigError(f"{job_path}: defaults entry '{name}' not found in conf/; available: {', '.join(choices)}")
+                raise ConfigError(f"{job_path}: defaults entry '{name}' not found in conf/; "
+                                  f"available: {', '.join(choices)}")
             cfg = _merge(cfg, _load_yaml(inc, "defaults file"), str(inc))
         cfg = _merge(cfg, job, str(job_path))
     for item in overrides:
@@ -302,8 +330,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"key 'model.dropout': must be in [0, 1), got {m.dropout}")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"key 'data.val_fraction': must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
-        raise ConfigError(f"key 'data.path': no such file {cfg.data.path}")
+    for key in ("path", "val_path"):
+        if getattr(cfg.data, key) is not None and not Path(getattr(cfg.data, key)).is_file():
+            raise ConfigError(f"key 'data.{key}': no such file {getattr(cfg.data, key)}")
+    from .tokenfiles import check_data  # numpy: loaded only when a job is checked
+
+    check_data(cfg.data.path, cfg.data.val_path, m.vocab_size, m.block_size)
     _positive(t.max_steps, "train.max_steps")
     _positive(t.global_batch_size, "train.global_batch_size")
     _auto_or_positive_int(t.micro_batch_size, "train.micro_batch_size")
@@ -318,7 +350,13 @@ def validate(cfg: JobConfig) -> None:
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
     if p.bucket_mb != "auto" and (isinstance(p.bucket_mb, str) or p.bucket_mb <= 0):
         raise ConfigError(f"key 'parallel.bucket_mb': expected 'auto' or a positive number, got {p.bucket_mb!r}")
-    if p.tp != "auto" and m.n_head % p.tp:
+    if m.hf_config is not None and not Path(m.hf_config).is_file():
+        raise ConfigError(f"key 'model.hf_config': no such file {m.hf_config}")
+    if m.hf_weights is not None and (m.hf_config is None or not Path(m.hf_weights).is_file()):
+        raise ConfigError(f"key 'model.hf_weights': needs model.hf_config and an existing file, got {m.hf_weights}")
+    if ":" not in m.factory:
+        raise ConfigError(f"key 'model.factory': expected 'package.module:callable', got {m.factory!r}")
+    if p.tp != "auto" and m.factory == GPT_FACTORY and m.hf_config is None and m.n_head % p.tp:
         raise ConfigError(f"key 'parallel.tp': must divide model.n_head ({m.n_head}), got {p.tp}")
     _positive(cfg.cluster.num_workers, "cluster.num_workers")
     _positive(cfg.cluster.cpus_per_worker, "cluster.cpus_per_worker")
@@ -326,6 +364,8 @@ def validate(cfg: JobConfig) -> None:
     _positive(cfg.cluster.nodes, "cluster.nodes")
     _positive(cfg.checkpoint.interval, "checkpoint.interval", allow_zero=True)
     _positive(cfg.checkpoint.keep_last, "checkpoint.keep_last")
+    if cfg.checkpoint.export and not cfg.checkpoint.enabled:
+        raise ConfigError("key 'checkpoint.export': exports the final checkpoint, so it needs checkpoint.enabled=true")
     _positive(cfg.monitor.log_interval, "monitor.log_interval")
     _positive(cfg.elastic.min_workers, "elastic.min_workers")
     _positive(cfg.elastic.max_workers, "elastic.max_workers", allow_zero=True)

@@ -1,7 +1,8 @@
 """Plan -> Ray placement group -> one named worker actor per rank, bound to its planned device.
 
 Each rank gets one bundle (`{"CPU": c, "GPU": 1}`), pinned to the node the plan chose with a
-label selector on Ray's built-in `ray.io/node-id` label. Ray, not us, picks which GPU of a node
+label selector on Ray's built-in `ray.io/node-id` label, and, for a rank in a multi-node NVLink
+domain, on the `orchestrator.io/nvlink-domain` label its node advertises. Ray, not us, picks which GPU of a node
 a bundle holds, so on GPUs we first ask every bundle which GPU it got, then create the actor
 of plan rank r in the bundle holding r's planned GPU. Every actor then reports where it really
 runs, and a layout that differs from the plan stops the run before training.
@@ -43,22 +44,44 @@ class Placement:
             pass
 
 
-def _bundles(plan: Plan, use_gpu: bool, cpus: float, pin: bool) -> tuple[list[dict], list[dict] | None]:
-    bundles, selectors = [], []
+def domain_selectors(plan: Plan, labels: dict[str, dict[str, str]]) -> list[dict[str, str]]:
+    """Per rank, the `orchestrator.io/nvlink-domain` selector that keeps it in its planned
+    multi-node NVLink domain, where its node advertises that label (`node-labels`); a node
+    advertising another domain than the probe found stops placement before anything is held."""
+    from .commands.node_labels import NVLINK_DOMAIN_LABEL, domain_label
+
+    out = []
     for r in plan.ranks:
+        have = labels.get(r.node, {}).get(NVLINK_DOMAIN_LABEL)
+        if r.nvlink_domain is None or have is None:
+            out.append({})
+            continue
+        want = domain_label(r.nvlink_domain)
+        if have != want:
+            raise PlacementError(f"node {r.node[:12]} advertises {NVLINK_DOMAIN_LABEL}={have} but its GPUs are in "
+                                 f"NVLink domain {want}; restart it with `ray start --labels \"$(python -m "
+                                 f"orchestrator node-labels)\"`")
+        out.append({NVLINK_DOMAIN_LABEL: want})
+    return out
+
+
+def _bundles(plan: Plan, use_gpu: bool, cpus: float, pin: bool,
+             labels: dict[str, dict[str, str]] | None = None) -> tuple[list[dict], list[dict] | None]:
+    bundles, selectors = [], []
+    for r, domain in zip(plan.ranks, domain_selectors(plan, labels or {})):
         b: dict[str, float] = {"CPU": cpus}
         if use_gpu:
             b["GPU"] = 1
         bundles.append(b)
-        selectors.append({NODE_ID_LABEL: r.node})
-    return bundles, (selectors if pin else None)
+        selectors.append({NODE_ID_LABEL: r.node, **domain} if pin else domain)
+    return bundles, (selectors if pin or any(selectors) else None)
 
 
 def _missing(bundles: list[dict], selectors: list[dict] | None) -> str:
     """Say what the cluster lacks, per node, for a group that did not become ready."""
     need: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for i, b in enumerate(bundles):
-        node = selectors[i][NODE_ID_LABEL] if selectors else "any node"
+        node = selectors[i].get(NODE_ID_LABEL, "any node") if selectors else "any node"
         for k, v in b.items():
             need[node][k] += v
     alive = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
@@ -92,7 +115,8 @@ def place(
     """Reserve the plan's devices and start one worker actor per rank, in rank order."""
     from .runtime.worker import Worker
 
-    bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes)
+    labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
+    bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes, labels)
     pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
     ready = pg.ready()
     done, _ = ray.wait([ready], timeout=timeout_s)

@@ -68,7 +68,8 @@ def _normalise(address: str) -> str:
     if "://" not in address:
         address = f"http://{address}"
     if not address.startswith(("http://", "https://")):
-        raise RemoteError(f"--address {address}: expected the dashboard's http(s)://HOST:8265, not a Ray GCS or ray:// address")
+        raise RemoteError(
+            f"--address {address}: expected the dashboard's http(s)://HOST:8265, not a Ray GCS or ray:// address")
     return address
 
 
@@ -113,9 +114,11 @@ def _translate(e: Exception, address: str, job_id: str | None = None) -> RemoteE
     if isinstance(e, AuthenticationError) or "Authentication required" in text or "status code 401" in text:
         return _auth_advice(address, "requires authentication")
     if job_id is not None and ("does not exist" in text or "status code 404" in text):
-        return RemoteError(f"no job '{job_id}' on the Ray cluster at {address}; `status --address {address}` lists them")
+        return RemoteError(
+            f"no job '{job_id}' on the Ray cluster at {address}; `status --address {address}` lists them")
     if isinstance(e, ConnectionError) or "Failed to connect" in text or "Connection refused" in text:
-        return RemoteError(f"cannot reach a Ray dashboard at {address}: is the cluster up and its dashboard port reachable?")
+        return RemoteError(
+            f"cannot reach a Ray dashboard at {address}: is the cluster up and its dashboard port reachable?")
     return RemoteError(f"Ray cluster at {address}: {_first_line(e)}")
 
 
@@ -123,9 +126,19 @@ def client(address: str) -> Any:
     """A JobSubmissionClient for `address`, authenticated when a token is configured."""
     from ray.job_submission import JobSubmissionClient
 
+    from .reach import ClusterUnreachable, check_dashboard
+
     address = _normalise(address)
+    headers = auth_headers()
+    # The SDK would wait on a port that never answers; ask once, briefly, first.
     try:
-        return JobSubmissionClient(address, headers=auth_headers())
+        refused = check_dashboard(address, headers)
+    except ClusterUnreachable as e:
+        raise RemoteError(str(e)) from None
+    if refused:
+        raise _auth_advice(address, "refused the token" if headers else "requires authentication")
+    try:
+        return JobSubmissionClient(address, headers=headers)
     except RemoteError:
         raise
     except Exception as e:  # the constructor already asks the cluster for its version
@@ -147,20 +160,25 @@ def shipped_dir(cwd: Path | None = None) -> Path:
     return cwd
 
 
-def entrypoint(job_rel: str, overrides: list[str]) -> str:
+def entrypoint(job_rel: str, overrides: list[str], verbose: bool = False) -> str:
     """The command the cluster runs: the local `submit`, joined to the cluster it runs on."""
     kept = [o for o in overrides if not o.startswith("cluster.address=")]
     args = ["python", "-m", "orchestrator", "submit", job_rel, *kept, "cluster.address=auto"]
+    if verbose:
+        args.append("--verbose")
     return shlex.join(args)
 
 
-def submit_remote(address: str, job_file: str, overrides: list[str]) -> str:
-    """Submit `job_file` with `overrides` as a Ray job on the cluster at `address`; return its id.
+def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bool = False) -> tuple[str, Any]:
+    """Submit `job_file` with `overrides` as a Ray job on the cluster at `address`; return its
+    id and the config as loaded here.
 
     The config is loaded here first, so a bad key fails on this machine in a second rather
-    than on the cluster after the upload.
+    than on the cluster after the upload. On the head, relative `monitor.runs_dir` and
+    `checkpoint.path` are taken from the home directory (`rundir.anchored`).
     """
     from .config import load_config
+    from .rundir import REMOTE_RUN_ENV
 
     cfg = load_config(job_file, overrides)
     workdir = shipped_dir()
@@ -171,17 +189,34 @@ def submit_remote(address: str, job_file: str, overrides: list[str]) -> str:
             f"put it inside, or run submit from a directory that contains it"
         )
     job_rel = job_path.relative_to(workdir).as_posix()
+    from .model_source import model_modules
+
+    # The model's module, when it lives outside the shipped directory (e.g. on PYTHONPATH).
+    modules = [p for p in model_modules(cfg.model) if Path(p) != workdir and workdir not in Path(p).parents]
     submission_id = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     c = client(address)
     try:
-        return c.submit_job(
-            entrypoint=entrypoint(job_rel, list(overrides)),
+        job_id = c.submit_job(
+            entrypoint=entrypoint(job_rel, list(overrides), verbose),
             submission_id=submission_id,
-            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES},
+            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES, "env_vars": {REMOTE_RUN_ENV: "1"},
+                         **({"py_modules": modules} if modules else {})},
             metadata={"orchestrator_job": cfg.name},
         )
     except Exception as e:
         raise _translate(e, _normalise(address)) from e
+    return job_id, cfg
+
+
+def run_directory(address: str, job_id: str) -> str | None:
+    """Where the job's driver put its run directory (on the node it runs on), from its log;
+    None before the driver has said."""
+    from .rundir import RUN_DIR_LINE
+
+    text = "".join(job_logs(address, job_id))
+    found = [line.split(RUN_DIR_LINE, 1)[1].split("  (")[0].strip()
+             for line in text.splitlines() if line.startswith(RUN_DIR_LINE)]
+    return found[0] if found else None
 
 
 def _as_job(info: Any) -> RemoteJob:

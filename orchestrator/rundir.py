@@ -4,10 +4,11 @@
         config.yaml      the merged config
         topology.json    the probed cluster
         plan.json        the plan (strategy, mesh, rank -> node/GPU, predictions)
-        placement.json   what each worker actor reported: rank, node, GPU or CPU slot, pid
+        placement.json   what each worker actor reported: rank, node, GPU or CPU slot, pid, NCCL env
         metrics.jsonl    one JSON line per optimizer step
         summary.json     the outcome, with the plan's predictions beside the measurements
         loss.svg         the loss curve
+        logs/            rank-N.log (what rank N printed), ray.log (Ray's own processes)
         checkpoints/     committed DCP checkpoints (step_NNNNNNNN/)
 """
 
@@ -18,6 +19,24 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+REMOTE_RUN_ENV = "ORCHESTRATOR_REMOTE_RUN"
+"""Set in the environment of a driver that `submit --address` started through the Jobs API."""
+RUN_DIR_LINE = "run directory: "
+"""How the driver announces its run directory; `status` finds it in the job's log by this."""
+
+
+def anchored(path: str | None) -> str | None:
+    """`path` for a driver the Jobs API started: a relative path is taken from the home
+    directory of the node the driver runs on, because the job's working directory there is
+    Ray's temporary copy of the project, removed when the cluster cleans up (and may be
+    unpacked again under a running job). Absolute paths and URIs (`s3://...`) are kept."""
+    if path is None or "://" in path:
+        return path
+    path = os.path.expanduser(path)
+    if os.path.isabs(path) or not os.environ.get(REMOTE_RUN_ENV):
+        return path
+    return str(Path.home() / path)
 
 
 class RunDir:

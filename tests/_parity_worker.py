@@ -2,9 +2,10 @@
 
 Kept out of the test module so spawned ranks import it without importing pytest.
 Every case starts from the same seed and the same global batches; a rank trains on its
-data-parallel slice of each micro-batch, exactly as the training loop does. A case whose
-spec gathers 16-bit weights runs its forward under autocast to that dtype, as the Trainer
-does, and is compared with a single process under the same autocast.
+data-parallel slice of each micro-batch, exactly as the training loop does. Each case is what
+`resolve` says runs on CPU ranks; a case whose execution autocasts (and so gathers 16-bit
+weights) runs its forward under that autocast, as the Trainer does, and is compared with a
+single process under the same autocast.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import FSDPModule
 
+from orchestrator.planning.mesh import Mesh
+from orchestrator.planning.resolve import Execution, resolve
 from orchestrator.runtime.comm_hooks import PARAM_DTYPES, hierarchical_all_reduce
-from orchestrator.runtime.parallelize import ParallelSpec, build_mesh, data_parallel_rank, parallelize
+from orchestrator.runtime.parallelize import build_mesh, data_parallel_rank, parallelize
 from orchestrator.workloads.gpt import GPT, GPTConfig, param_groups
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=64, block_size=16)
@@ -32,48 +35,58 @@ MAX_NORM = 0.5  # below the first steps' gradient norm, so clipping really scale
 LR = 1e-2
 
 
+def cpu_execution(strategy: str, mesh: Mesh, precision: str = "fp32", max_steps: int = STEPS, **kwargs) -> Execution:
+    """What runs for `strategy` on `mesh` on gloo CPU ranks (the Trainer's device kind here)."""
+    return resolve(strategy, mesh, precision=precision, device="cpu", max_steps=max_steps, **kwargs)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
-    spec: ParallelSpec
+    ex: Execution
     accum: int
     tolerance: float = 1e-5
     checkpoint: bool = True
     """Also save with DCP after the first steps and resume a freshly initialised replica."""
     resume_from: str | None = None
     """Also resume from this earlier case's checkpoint (same accum, other layout): DCP resharding."""
+    static_graph: bool = False
+    """DDP's static_graph (the same parameters are used every step)."""
+    node_of_rank: tuple[str, ...] | None = None
+    """The node of every rank, for a hierarchical all-reduce."""
 
     @property
     def autocast(self) -> torch.dtype | None:
-        """The forward's autocast dtype: the one FSDP2 gathers weights in, none for fp32."""
-        return None if self.spec.param_dtype == "fp32" else PARAM_DTYPES[self.spec.param_dtype]
+        """The forward's autocast dtype (the one FSDP2 gathers weights in); None for fp32."""
+        return None if self.ex.autocast is None else PARAM_DTYPES[str(self.ex.autocast)]
 
 
 CASES = [
-    Case("ddp", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1}, bucket_mb=0.05,
-                             static_graph=True, recompute="full"), accum=2, checkpoint=False),
-    Case("zero1", ParallelSpec("zero1", {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
-                               compression="powersgd"), accum=2),
+    Case("ddp", cpu_execution("ddp", Mesh(dp_replicate=4), bucket_mb=0.05, recompute="full"), accum=2,
+         checkpoint=False, static_graph=True),
+    # A run of 10 x STEPS steps: PowerSGD's warm-up (10% of them) is plain all-reduce through
+    # all STEPS steps here, so zero1 with powersgd must match one process exactly.
+    Case("zero1", cpu_execution("zero1", Mesh(dp_replicate=4), compression="powersgd", max_steps=10 * STEPS),
+         accum=2),
     # R=2 x S=2 for zero2: all four data-parallel ranks still form one shard group.
-    Case("zero2", ParallelSpec("zero2", {"dp_replicate": 2, "dp_shard": 2, "tp": 1},
-                               compression="bf16"), accum=2),
-    Case("zero3", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 4, "tp": 1},
-                               recompute="selective"), accum=1),
-    Case("hsdp", ParallelSpec("hsdp", {"dp_replicate": 2, "dp_shard": 2, "tp": 1}), accum=2, resume_from="zero1"),
-    Case("tp_fsdp", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 2, "tp": 2}), accum=2,
-         resume_from="zero2"),
+    Case("zero2", cpu_execution("zero2", Mesh(dp_replicate=2, dp_shard=2), compression="bf16"), accum=2),
+    Case("zero3", cpu_execution("zero3", Mesh(dp_shard=4), recompute="selective"), accum=1),
+    Case("hsdp", cpu_execution("hsdp", Mesh(dp_replicate=2, dp_shard=2)), accum=2, resume_from="zero1"),
+    Case("tp_fsdp", cpu_execution("zero3", Mesh(dp_shard=2, tp=2)), accum=2, resume_from="zero2"),
     # Two ranks per node on two nodes: reduce-scatter in the pair, all-reduce across, all-gather.
-    Case("ddp_hier", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1}, bucket_mb=0.05,
-                                  sync_algorithm="hierarchical", node_of_rank=("n0", "n0", "n1", "n1")), accum=2),
-    Case("tp_ddp", ParallelSpec("ddp", {"dp_replicate": 2, "dp_shard": 1, "tp": 2}), accum=1, checkpoint=False),
+    Case("ddp_hier", cpu_execution("ddp", Mesh(dp_replicate=4), bucket_mb=0.05, algorithm="hierarchical"), accum=2,
+         node_of_rank=("n0", "n0", "n1", "n1")),
+    Case("tp_ddp", cpu_execution("ddp", Mesh(dp_replicate=2, tp=2)), accum=1, checkpoint=False),
     # fp16 rounding of the gradient all-reduce: parity only to fp16 precision.
-    Case("ddp_fp16", ParallelSpec("ddp", {"dp_replicate": 4, "dp_shard": 1, "tp": 1},
-                                  compression="fp16"), accum=1, tolerance=5e-4, checkpoint=False),
+    Case("ddp_fp16", cpu_execution("ddp", Mesh(dp_replicate=4), compression="fp16"), accum=1, tolerance=5e-4,
+         checkpoint=False),
+    # A run of STEPS steps: PowerSGD all-reduces plainly for its warm-up, then compresses.
+    Case("ddp_powersgd", cpu_execution("ddp", Mesh(dp_replicate=4), compression="powersgd"), accum=1,
+         tolerance=float("inf"), checkpoint=False),
     # torchtitan's mixed precision: bf16 all-gathers under bf16 autocast, fp32 reduce-scatter
     # and fp32 master weights. Compared with a bf16-autocast single process, so the gap is
     # the rounding of weights autocast leaves in fp32 (LayerNorm, embedding), not the sharding.
-    Case("zero3_bf16", ParallelSpec("zero3", {"dp_replicate": 1, "dp_shard": 4, "tp": 1}, param_dtype="bf16"),
-         accum=2, tolerance=1e-2),
+    Case("zero3_bf16", cpu_execution("zero3", Mesh(dp_shard=4), precision="bf16"), accum=2, tolerance=1e-2),
 ]
 
 
@@ -149,7 +162,7 @@ def _resume(case: Case, par, mesh, ckpt: str):
 
 
 def _restore(case: Case, mesh, ckpt: str):
-    restored = parallelize(fresh_model(seed=99), case.spec, mesh, make_optimizer, torch.device("cpu"))
+    restored = _parallelize(fresh_model(seed=99), case, mesh)
     sd = restored.state_dict()
     dcp.load(sd, checkpoint_id=ckpt)
     restored.load_state_dict(sd)
@@ -188,10 +201,15 @@ def _hierarchy_report(par) -> dict | None:
     return {"intra": h.intra_ranks, "inter": h.inter_ranks, "buckets": buckets, "odd_errors": errors}
 
 
+def _parallelize(model: torch.nn.Module, case: Case, mesh):
+    return parallelize(model, case.ex, mesh, make_optimizer, torch.device("cpu"), node_of_rank=case.node_of_rank,
+                       static_graph=case.static_graph)
+
+
 def _run_case(case: Case, ckpt_root: str) -> dict:
-    mesh = build_mesh(case.spec, "cpu")
+    mesh = build_mesh(case.ex.mesh, "cpu")
     dp_rank, dp_world = data_parallel_rank(mesh)
-    par = parallelize(fresh_model(), case.spec, mesh, make_optimizer, torch.device("cpu"))
+    par = _parallelize(fresh_model(), case, mesh)
     compute_dtypes = _compute_dtypes(par.model)
     policies = sorted({(str(pol.param_dtype), str(pol.reduce_dtype))
                        for pol in (m._get_fsdp_state()._mp_policy for m in par.model.modules()

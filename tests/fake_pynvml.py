@@ -258,7 +258,8 @@ class FakeNvml:
         if not isinstance(index, int):
             raise TypeError(f"ctypes cannot convert {index!r} to an int")  # what the tuple trap does
         if index == NVML_P2P_CAPS_INDEX_NVLINK:
-            return NVML_P2P_STATUS_OK if self._gpu(h1).nvlinks and not self._gpu(h1).mig else NVML_P2P_STATUS_NOT_SUPPORTED
+            gpu = self._gpu(h1)
+            return NVML_P2P_STATUS_OK if gpu.nvlinks and not gpu.mig else NVML_P2P_STATUS_NOT_SUPPORTED
         return self.p2p_read.get((min(h1, h2), max(h1, h2)), NVML_P2P_STATUS_OK)
 
 

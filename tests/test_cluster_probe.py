@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import TopologyError
-from orchestrator.topology.cluster_probe import network_from_nodes, probe_cluster
+from orchestrator.topology.cluster_probe import probe_cluster
 from orchestrator.topology.local import TOPOLOGY_FILE_ENV, probe_local
 from orchestrator.topology.model import Nic, NodeTopology
+from orchestrator.topology.network import network_from_nodes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topology"
 PCIE4 = FIXTURES / "topo_4gpu_pcie_pxb_pix_nccl667.txt"

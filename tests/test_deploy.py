@@ -21,7 +21,8 @@ from orchestrator.topology.model import Device, NodeTopology, cpu_node
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 FIXTURES = ROOT / "tests/fixtures/topology"
-LAUNCHER = {"aws-p4d.yaml": ("p4d.24xlarge", 4), "aws-p5.yaml": ("p5.48xlarge", 32), "gcp-a3-high.yaml": ("a3-highgpu-8g", 0)}
+LAUNCHER = {"aws-p4d.yaml": ("p4d.24xlarge", 4), "aws-p5.yaml": ("p5.48xlarge", 32),
+            "gcp-a3-high.yaml": ("a3-highgpu-8g", 0)}
 LABELS_CMD = '--labels "$(python3 -m orchestrator node-labels)"'
 
 
@@ -57,12 +58,18 @@ def test_launcher_config_passes_ray_validation(name):
         assert LABELS_CMD in start and "--metrics-export-port=8080" in start and "RAY_AUTH_MODE=token" in start
     if efa_cards:
         nics = node_config["NetworkInterfaces"]
-        assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(efa_cards)), "one EFA interface per network card"
+        assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(efa_cards)), \
+            "one EFA interface per network card"
         assert [n["DeviceIndex"] for n in nics].count(0) == 1
         assert all(n["InterfaceType"] in ("efa", "efa-only") and n["SubnetId"] and n["Groups"] for n in nics)
         # Ray's AWS bootstrap refuses subnets or groups outside the interfaces when they are set.
         assert not {"SubnetId", "SubnetIds", "SecurityGroupIds"} & set(node_config)
         assert node_config["Placement"]["GroupName"]
+        # The EFA environment as AWS documents it reaches the workers (they inherit the raylet's).
+        start = next(c for c in prepared["worker_start_ray_commands"] if "ray start" in c)
+        efa_env = ("FI_PROVIDER=efa", "FI_EFA_USE_DEVICE_RDMA=1",
+                   "LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib")
+        assert start.index("ray start") > max(start.index(v) for v in efa_env)
 
 
 def test_ray_validation_rejects_a_broken_launcher_config():
@@ -92,7 +99,8 @@ def test_kuberay_manifest_fields(name):
     assert head["rayStartParams"]["metrics-export-port"] == "8080"
     assert head["rayStartParams"]["num-gpus"] == "0"
     groups = spec["workerGroupSpecs"]
-    assert groups and all("rayStartParams" in g and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] for g in groups)
+    assert groups
+    assert all("rayStartParams" in g and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] for g in groups)
     for template in [head["template"]] + [g["template"] for g in groups]:
         assert template["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
         (container,) = template["spec"]["containers"]
@@ -120,7 +128,8 @@ def _ray_accepts(labels: dict[str, str]) -> dict[str, str]:
     ("topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", 8, 2, 2),
     ("topo_4gpu_pcie_pxb_pix_nccl667.txt", 4, 0, 0),
     ("nccl_xml_aws_p5.48xl-topo.xml", 8, 0, 32),
-    ("nccl_xml_aws_p4d-24xl-topo.xml", 8, 0, 4),
+    # p4d's XML has no NVLink, but its PCI device id names the A100 SXM4, an NVSwitch part
+    ("nccl_xml_aws_p4d-24xl-topo.xml", 8, 8, 4),
 ])
 def test_labels_of_real_captures(fixture, gpus, domain_size, rails):
     node = load_topology_file(FIXTURES / fixture)
@@ -134,7 +143,8 @@ def test_labels_of_real_captures(fixture, gpus, domain_size, rails):
 
 
 def test_labels_name_the_gpu_model_and_the_fabric_clique():
-    devices = [Device(index=i, name="NVIDIA GB200", fabric_clique="8f0e2a6c-1d2b-4c1e-9a8e-0b4b1c1d2e3f/7") for i in range(4)]
+    clique = "8f0e2a6c-1d2b-4c1e-9a8e-0b4b1c1d2e3f/7"
+    devices = [Device(index=i, name="NVIDIA GB200", fabric_clique=clique) for i in range(4)]
     node = NodeTopology(hostname="nvl72-tray-3", devices=devices, nvlink_domains=[[0, 1, 2, 3]], source="nvml")
     labels = node_labels(node)
     assert _ray_accepts(labels) == labels
@@ -186,3 +196,11 @@ def test_start_command_substitution_yields_ray_labels(monkeypatch):
 
     labels = parse_node_labels_string(out.stdout)
     assert labels[f"{PREFIX}nvlink-domain-size"] == "4" and labels[f"{PREFIX}nic-rails"] == "4"
+
+
+def test_gcp_recipe_says_plainly_that_nccl_runs_over_tcp():
+    text = (DEPLOY / "gcp-a3-high.yaml").read_text()
+    setup = "\n".join(_load("gcp-a3-high.yaml")["setup_commands"])
+    # Neither the TCPX plugin nor the receive-datapath daemon is installed, and the file says so.
+    assert "tcpx" not in setup.lower() and "rxdm" not in setup.lower()
+    assert "NCCL between nodes runs over plain TCP sockets here, NOT GPUDirect-TCPX" in text

@@ -10,8 +10,9 @@ import torch
 
 from orchestrator.config import load_config
 from orchestrator.errors import PlanError
+from orchestrator.planning.cluster_view import plannable
 from orchestrator.planning.describe import describe_cluster
-from orchestrator.runtime.elastic import devices_for_plan, plan_keeping_batch
+from orchestrator.runtime.elastic import plan_keeping_batch
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology, Network, cpu_node
 from orchestrator.workloads.data import TextData, load_tokens
@@ -36,17 +37,15 @@ def _covers(plan, gb: int) -> bool:
     return plan.micro_batch_size * plan.sync.grad_accum_steps * m.dp_replicate * m.dp_shard == gb
 
 
-def test_a_gpu_less_head_is_left_out_of_a_gpu_plan_and_named():
+def test_keeping_the_batch_plans_only_the_gpu_nodes_and_names_the_head_left_out():
     gpus = _gpus(2)
     mixed = ClusterTopology(nodes=[cpu_node(2, hostname="head"), *gpus.nodes], network=gpus.network)
-    topo, left_out = devices_for_plan(mixed)
-    assert left_out == ["head"]
+    topo, left_out = plannable(mixed)
+    assert [x.hostname for x in left_out] == ["head"]
     assert topo.num_devices == 8 and all(d.kind == "gpu" for n in topo.nodes for d in n.devices)
-    plan, used, note = plan_keeping_batch(_cfg("train.global_batch_size=8"), topo)
+    plan, used, note = plan_keeping_batch(_cfg("train.global_batch_size=8"), topo, left_out=left_out)
     assert plan.world_size == 8 and note is None
-    # CPU slots alone still plan on CPU slots
-    cpu = ClusterTopology(nodes=[cpu_node(2, hostname="a")])
-    assert devices_for_plan(cpu) == (cpu, [])
+    assert [x.hostname for x in plan.left_out] == ["head"]
 
 
 def test_survivors_that_do_not_divide_the_batch_use_the_largest_world_that_does():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import pytest
 
+from orchestrator.topology import measure
 from orchestrator.topology.measure import (
-    QUICK_SIZES,
     Fit,
     apply_fits,
     cache_key,
@@ -94,7 +95,7 @@ def local_ray():
 
 
 @pytest.mark.ray
-def test_gloo_actors_measure_and_cache(local_ray, tmp_path: Path) -> None:
+def test_gloo_actors_measure_and_cache(local_ray, tmp_path: Path, monkeypatch) -> None:
     node = cpu_node(4, hostname="bench-host", node_id=local_ray)
     cluster = ClusterTopology(nodes=[node, NodeTopology(hostname="sim", node_id="x", source="declared:f.txt")])
     measure_cluster(cluster, quick=True, cache=tmp_path)
@@ -105,12 +106,20 @@ def test_gloo_actors_measure_and_cache(local_ray, tmp_path: Path) -> None:
     assert node.link(2, 3).bandwidth_gbps == link.bandwidth_gbps
     assert any("not measured" in w for w in cluster.nodes[1].warnings)
     [cached] = list(tmp_path.glob("*.json"))
+    stored = cached.read_bytes()
+    assert json.loads(stored)["quick"] is True and json.loads(stored)["hostname"] == "bench-host"
 
     # Same host and devices: the cached figures are reused without starting actors.
+    def no_actors(*_args, **_kwargs):
+        raise AssertionError("a cached node must not start measuring actors")
+
+    monkeypatch.setattr(measure, "_start", no_actors)
     again = cpu_node(4, hostname="bench-host", node_id=local_ray)
     measure_cluster(ClusterTopology(nodes=[again]), quick=True, cache=tmp_path)
     assert again.link(0, 1).bandwidth_gbps == link.bandwidth_gbps and again.link(0, 1).measured
-    assert cached.exists() and len(QUICK_SIZES) >= 2
+    assert again.link(2, 3).bandwidth_gbps == link.bandwidth_gbps
+    # Nothing was measured again, so nothing was written again.
+    assert list(tmp_path.glob("*.json")) == [cached] and cached.read_bytes() == stored
 
 
 @pytest.mark.ray

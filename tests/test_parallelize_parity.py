@@ -20,9 +20,12 @@ import torch
 import torch.multiprocessing as mp
 
 from orchestrator.errors import PlanError
-from orchestrator.runtime.comm_hooks import hierarchy_groups, register_ddp_sync
-from orchestrator.runtime.parallelize import ParallelSpec, param_dtype_for
-from orchestrator.runtime.tensor_parallel import BLOCK_PLAN_NAMES, apply_tensor_parallel
+from orchestrator.planning.mesh import Mesh
+from orchestrator.planning.resolve import resolve
+from orchestrator.runtime.comm_hooks import fsdp_policy, hierarchy_groups, register_ddp_sync
+from orchestrator.runtime.parallelize import build_mesh, parallelize
+from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
+from orchestrator.workloads.gpt import GPT
 
 CASES = {c.name: c for c in pw.CASES}
 
@@ -71,11 +74,44 @@ def test_fp16_compression_is_applied_and_close(results, references) -> None:
     assert max(diffs) <= CASES["ddp_fp16"].tolerance
 
 
+def test_powersgd_warm_up_keeps_the_early_steps_exact(results, references) -> None:
+    # zero1's run is long enough that every step here is warm-up: it stays in the exact cases.
+    zero1 = CASES["zero1"]
+    assert zero1.ex.compression == "powersgd" and zero1.ex.compression_warmup_steps >= pw.STEPS
+    assert zero1.tolerance <= 1e-5
+    # A run of STEPS steps: plain all-reduce for the warm-up, then low-rank compression.
+    case = CASES["ddp_powersgd"]
+    warm = case.ex.compression_warmup_steps
+    assert case.ex.compression == "powersgd" and 2 <= warm < pw.STEPS - 1
+    got, ref = results["ddp_powersgd"]["losses"], _reference(references, case)["losses"]
+    # The loss of step k is taken before update k: the first warm + 1 follow plain updates only.
+    for step in range(warm + 1):
+        assert abs(got[step] - ref[step]) <= 1e-5, f"warm-up step {step}: loss {got[step]} vs {ref[step]}"
+    assert max(abs(a - b) for a, b in zip(got[warm + 1:], ref[warm + 1:])) > 1e-4
+    assert got[-1] < got[0]
+
+
 def test_bf16_on_gloo_is_skipped_with_a_note(results) -> None:
+    # resolve drops it for CPU ranks, and the runtime reports that note and nothing else.
     assert results["zero2"]["notes"] == [
-        "bf16 gradient compression skipped: it needs the NCCL backend, this group uses gloo"
+        "bf16 gradient compression skipped: it needs the NCCL backend, CPU ranks use gloo"
     ]
-    assert all(not results[n]["notes"] for n in CASES if n != "zero2")
+    assert CASES["zero2"].ex.compression == "none"
+
+
+@pytest.mark.parametrize("name", [c.name for c in pw.CASES])
+def test_the_runtime_notes_are_the_executions_own(name, results) -> None:
+    # What ran differently from the request is what resolve said, no more: only zero2's
+    # compression and tp_ddp's wrapping (ddp with tp=2 runs as FSDP2) differ from the request.
+    assert results[name]["notes"] == list(CASES[name].ex.notes)
+    assert bool(results[name]["notes"]) == (name in ("zero2", "tp_ddp"))
+
+
+def test_bf16_reduction_on_a_gloo_group_is_skipped_by_the_runtime_too(one_rank_group) -> None:
+    # A plan resolved for GPUs that lands on gloo: the FSDP2 policy reduces in fp32 and says why.
+    policy, notes = fsdp_policy("bf16", "bf16", one_rank_group)
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert notes == ["bf16 gradient compression skipped: it needs the NCCL backend, this group uses gloo"]
 
 
 def test_hierarchical_all_reduce_ran_over_node_groups(results) -> None:
@@ -151,8 +187,9 @@ def test_bf16_gathers_track_a_bf16_autocast_single_process(results, references) 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES])
 def test_fsdp2_gathers_weights_in_the_spec_param_dtype(name, results) -> None:
     case, got = CASES[name], results[name]
-    fsdp2 = case.spec.strategy not in ("ddp", "zero1") or case.spec.mesh["tp"] > 1
-    gathered = str(pw.PARAM_DTYPES[case.spec.param_dtype] if fsdp2 else torch.float32)
+    fsdp2 = case.ex.strategy not in ("ddp", "zero1") or case.ex.mesh.tp > 1
+    assert fsdp2 == (not case.ex.ddp_reduces)
+    gathered = str(pw.PARAM_DTYPES[str(case.ex.param_dtype)] if fsdp2 else torch.float32)
     # What the layers multiply with inside forward: FSDP2's all-gathered weights, DDP's own.
     assert got["compute_dtypes"] == [gathered]
     # Master weights, and so the optimizer's states and the checkpoint, stay fp32.
@@ -165,11 +202,17 @@ def test_fsdp2_gathers_weights_in_the_spec_param_dtype(name, results) -> None:
 
 
 def test_param_dtype_follows_the_autocast_dtype() -> None:
-    assert param_dtype_for(None) == "fp32"
-    assert param_dtype_for(torch.bfloat16) == "bf16"
-    assert param_dtype_for(torch.float16) == "fp16"
-    with pytest.raises(ValueError, match="autocast dtype must be one of"):
-        param_dtype_for(torch.float64)
+    def ex(precision: str):
+        return resolve("ddp", Mesh(dp_replicate=4), precision=precision, device="cpu")
+
+    assert (ex("fp32").autocast, ex("fp32").param_dtype) == (None, "fp32")
+    assert (ex("bf16").autocast, ex("bf16").param_dtype) == ("bf16", "bf16")
+    assert (ex("fp16").autocast, ex("fp16").param_dtype) == ("fp16", "fp16")
+    assert set(pw.PARAM_DTYPES) == {"fp32", "bf16", "fp16"}
+    with pytest.raises(ValueError, match="fp64"):
+        ex("fp64")
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        fsdp_policy("fp64", "none", None)
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.checkpoint])
@@ -187,7 +230,8 @@ def test_dcp_checkpoint_reshards_across_strategies(name, results, references) ->
 
 
 def _is_tp_sharded(param_name: str) -> bool:
-    for module, style in BLOCK_PLAN_NAMES.items():
+    for pattern, style in GPT.tp_plan.items():
+        module = pattern.removeprefix("h.*.")
         # Row-parallel biases are added after the all-reduce, so they stay whole.
         if param_name.endswith(f"{module}.weight") or (style == "colwise" and param_name.endswith(f"{module}.bias")):
             return True
@@ -196,12 +240,12 @@ def _is_tp_sharded(param_name: str) -> bool:
 
 def _expected_param_bytes(case: pw.Case) -> float:
     """fp32 parameter bytes one rank should hold: TP divides the block matrices, FSDP shards the rest."""
-    mesh, strategy = case.spec.mesh, case.spec.strategy
-    dp = mesh["dp_replicate"] * mesh["dp_shard"]
-    shard = {"ddp": 1, "zero1": 1, "zero2": dp, "zero3": dp, "hsdp": mesh["dp_shard"]}[strategy]
+    mesh, strategy = case.ex.mesh, case.ex.strategy
+    dp = mesh.dp_replicate * mesh.dp_shard
+    shard = {"ddp": 1, "zero1": 1, "zero2": dp, "zero3": dp, "hsdp": mesh.dp_shard}[strategy]
     total = 0.0
     for name, p in pw.fresh_model().named_parameters():
-        total += p.numel() * 4 / (mesh["tp"] if _is_tp_sharded(name) else 1)
+        total += p.numel() * 4 / (mesh.tp if _is_tp_sharded(name) else 1)
     return total / shard
 
 
@@ -214,7 +258,7 @@ def test_state_bytes_match_the_strategy(name, results) -> None:
         assert s["params"] == pytest.approx(expected, rel=0.10), f"rank {rank} params"
         # Gradients live in the same layout as the parameters (full under DDP/ZeRO-1).
         assert s["grads"] == pytest.approx(expected, rel=0.10), f"rank {rank} grads"
-    if case.spec.strategy == "zero1":
+    if case.ex.strategy == "zero1":
         full = 2 * _expected_param_bytes(CASES["ddp"])  # AdamW: exp_avg + exp_avg_sq
         assert sum(s["optimizer"] for s in states) == pytest.approx(full, rel=0.01)
         assert max(s["optimizer"] for s in states) < full / 2
@@ -232,30 +276,77 @@ def test_zero3_holds_a_quarter_of_the_model(results) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"strategy": "fsdp"}, "parallel strategy must be one of ddp, zero1, zero2, zero3, hsdp; got 'fsdp'"),
-        ({"mesh": {"dp": 4, "tp": 1}}, "parallel mesh must have exactly the axes dp_replicate, dp_shard, tp"),
-        ({"mesh": {"dp_replicate": 0, "dp_shard": 1, "tp": 1}}, "axis dp_replicate must be a positive integer"),
-        ({"compression": "int8"}, "compression must be one of none, fp16, bf16, powersgd; got 'int8'"),
-        ({"recompute": "some"}, "recompute must be one of none, selective, full; got 'some'"),
-        ({"param_dtype": "int8"}, "param_dtype must be one of fp32, bf16, fp16; got 'int8'"),
+        ({"strategy": "zero4"}, "'zero4' is not a valid Strategy"),
+        ({"compression": "int8"}, "'int8' is not a valid Compression"),
+        ({"recompute": "some"}, "'some' is not a valid Recompute"),
+        ({"precision": "int8"}, "'int8' is not a valid Precision"),
         ({"bucket_mb": 0}, "bucket_mb must be positive"),
-        ({"sync_algorithm": "tree"}, "sync_algorithm must be one of flat, hierarchical; got 'tree'"),
-        (
-            {"sync_algorithm": "hierarchical"},
-            "sync_algorithm hierarchical needs node_of_rank (the node of every rank)",
-        ),
-        ({"node_of_rank": ("n0", "n1")}, "node_of_rank names 2 ranks but the mesh"),
-        ({"node_of_rank": ("n0", "n0", "", "n1")}, "every rank a non-empty node id; ranks [2] have none"),
-        (
-            {"mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 2}},
-            "ddp with tp=2 replicates over dp_replicate only; dp_shard must be 1, got 2",
-        ),
+        ({"algorithm": "tree"}, "'tree' is not a valid SyncAlgorithm"),
+        ({"device": "tpu"}, "device kind must be one of gpu, cpu, got 'tpu'"),
+        ({"strategy": "auto"}, "resolve takes concrete choices"),
     ],
 )
-def test_spec_rejects_impossible_plans(kwargs, message) -> None:
-    args = {"strategy": "ddp", "mesh": {"dp_replicate": 4, "dp_shard": 1, "tp": 1}} | kwargs
-    with pytest.raises(PlanError, match=re.escape(message)):
-        ParallelSpec(**args)
+def test_resolve_rejects_impossible_requests(kwargs, message) -> None:
+    args = {"strategy": "ddp", "mesh": Mesh(dp_replicate=4), "precision": "fp32", "device": "cpu"} | kwargs
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve(**args)
+
+
+def test_resolve_rejects_what_cannot_run() -> None:
+    # ddp does not shard, whatever the tensor parallelism: an Unsupported plan, not a wrong run.
+    for tp in (1, 2):
+        with pytest.raises(PlanError, match=re.escape("ddp does not shard: dp_shard must be 1, got 2")):
+            resolve("ddp", Mesh(dp_shard=2, tp=tp), precision="fp32", device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("axes", "message"),
+    [
+        ({"dp": 4, "tp": 1}, "mesh axes are dp_replicate, dp_shard, tp; got dp"),
+        ({"dp_replicate": 0, "dp_shard": 1, "tp": 1}, "mesh axis dp_replicate must be a positive integer, got 0"),
+    ],
+)
+def test_mesh_rejects_impossible_axes(axes, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Mesh.from_dict(axes)
+
+
+def test_parallelize_needs_node_of_rank_for_a_hierarchical_all_reduce(one_rank_group) -> None:
+    ex = resolve("ddp", Mesh(), precision="fp32", device="cpu", algorithm="hierarchical")
+    assert ex.sync_algorithm == "hierarchical"
+    with pytest.raises(ValueError, match=re.escape("a hierarchical all-reduce needs node_of_rank")):
+        parallelize(torch.nn.Linear(4, 4), ex, build_mesh(Mesh(), "cpu"), pw.make_optimizer, torch.device("cpu"))
+
+
+def test_parallelize_rejects_a_device_mesh_of_another_shape(one_rank_group) -> None:
+    ex = resolve("ddp", Mesh(dp_replicate=4), precision="fp32", device="cpu")
+    with pytest.raises(ValueError, match=re.escape("the device mesh has shape (1, 1, 1), the execution is for")):
+        parallelize(torch.nn.Linear(4, 4), ex, build_mesh(Mesh(), "cpu"), pw.make_optimizer, torch.device("cpu"))
+
+
+def _cpu_plan():
+    from pathlib import Path
+
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+    from orchestrator.topology.model import ClusterTopology, cpu_node
+
+    job = Path(__file__).resolve().parent.parent / "jobs" / "llm.yaml"
+    return plan_job(load_config(job, ["train.global_batch_size=8"]), ClusterTopology(nodes=[cpu_node(4)]))
+
+
+def test_plan_places_every_rank_of_its_mesh_on_a_named_node() -> None:
+    # The runtime takes node_of_rank from the plan: it must name a node for every rank.
+    import dataclasses
+
+    from orchestrator.planning.mesh import RankPlacement
+
+    plan = _cpu_plan()
+    assert plan.world_size == 4 and len(plan.node_of_rank) == 4 and all(plan.node_of_rank)
+    with pytest.raises(ValueError, match=re.escape("has 4 ranks, the plan places 2")):
+        dataclasses.replace(plan, ranks=plan.ranks[:2])
+    with pytest.raises(ValueError, match=re.escape("rank 2 needs a non-empty node id")):
+        RankPlacement(2, "", plan.ranks[2].gpu)
 
 
 class _MeshOfSize:
@@ -270,10 +361,10 @@ class _MeshOfSize:
 
 def test_tensor_parallel_needs_whole_heads() -> None:
     model = pw.fresh_model()  # 4 heads
-    with pytest.raises(PlanError, match=re.escape("tp=3 must divide model.n_head=4")):
+    with pytest.raises(PlanError, match=re.escape("tp=3 must divide the model's 4 attention heads")):
         apply_tensor_parallel(model, _MeshOfSize(3))
 
 
-def test_tensor_parallel_needs_the_gpt_blocks() -> None:
-    with pytest.raises(PlanError, match=re.escape("tensor parallelism (tp=2) needs the GPT workload")):
+def test_tensor_parallel_needs_a_declared_plan() -> None:
+    with pytest.raises(PlanError, match=re.escape("tp=2) needs a model that declares a tensor-parallel plan")):
         apply_tensor_parallel(torch.nn.Linear(4, 4), _MeshOfSize(2))

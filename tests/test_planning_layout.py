@@ -9,7 +9,8 @@ import pytest
 from orchestrator.config import load_config
 from orchestrator.planning import plan_job
 from orchestrator.planning.describe import describe_cluster
-from orchestrator.planning.layout import NodeWiring, in_node_shape, mesh_groups, node_layout
+from orchestrator.planning.layout import NodeWiring, in_node_shape, node_layout
+from orchestrator.planning.mesh import Mesh
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Link, Network, NodeTopology
 
@@ -18,7 +19,7 @@ MODEL = ["model.n_layer=4", "model.n_head=8", "model.n_embd=512", "train.global_
 
 
 def _tp_pairs(plan) -> list[set[int]]:
-    gpu = {r["rank"]: r["gpu"] for r in plan.ranks}
+    gpu = {r.rank: r.gpu for r in plan.ranks}
     return [{gpu[r] for r in g} for g in plan.groups["tp"]]
 
 
@@ -44,7 +45,7 @@ def test_a6000_tp_pairs_sit_on_nvlink_bridges():
         for pair in _tp_pairs(plan):
             a, b = sorted(pair)
             assert n.link(a, b).kind == "nvlink" and n.link(a, b).nvlinks == 4
-        assert sorted(r["gpu"] for r in plan.ranks) == list(range(8))
+        assert sorted(r.gpu for r in plan.ranks) == list(range(8))
 
 
 def test_pcie_switch_pairs_form_the_tp_pairs():
@@ -62,7 +63,7 @@ def test_pcie_switch_pairs_form_the_tp_pairs():
 def test_nvswitch_any_layout_is_equal_and_the_plan_says_so(capture, gpu):
     node = load_topology_file(FIX / capture, gpu)
     plan = _plan(node, "parallel.tp=2", gpu=gpu)
-    assert [r["gpu"] for r in plan.ranks] == list(range(8))
+    assert [r.gpu for r in plan.ranks] == list(range(8))
     assert any("any layout is equal" in line for line in plan.explanation)
 
 
@@ -74,8 +75,8 @@ def test_cube_mesh_splits_into_fully_connected_quads():
         for b in range(a + 1, 8):
             same = any({a, b} <= q for q in quads)
             if same or b == a + 4:
-                links.append(Link(a=a, b=b, kind="nvlink", nvlinks=1, nvlink_gen=2, bandwidth_gbps=25.0 if same else 50.0,
-                                  latency_us=1.0))
+                links.append(Link(a=a, b=b, kind="nvlink", nvlinks=1, nvlink_gen=2,
+                                  bandwidth_gbps=25.0 if same else 50.0, latency_us=1.0))
             else:
                 links.append(Link(a=a, b=b, kind="sys", bandwidth_gbps=6.3, latency_us=6.0))
     from orchestrator.topology.model import Device
@@ -89,7 +90,7 @@ def test_cube_mesh_splits_into_fully_connected_quads():
 def test_hsdp_shard_groups_stay_inside_a_node():
     node = load_topology_file(FIX / "topo_h100_8gpu_mlengineering.txt", "H100")
     plan = _plan(node, "parallel.strategy=hsdp", "parallel.dp_shard=8", "parallel.tp=1", gpu="H100", nodes=4)
-    node_of = {r["rank"]: r["node"] for r in plan.ranks}
+    node_of = dict(enumerate(plan.node_of_rank))
     for g in plan.groups["dp_shard"]:
         assert len({node_of[r] for r in g}) == 1
     for g in plan.groups["dp_replicate"]:
@@ -97,13 +98,14 @@ def test_hsdp_shard_groups_stay_inside_a_node():
 
 
 def test_mesh_groups_follow_init_device_mesh_numbering():
-    groups = mesh_groups((2, 3, 2))
+    groups = Mesh(dp_replicate=2, dp_shard=3, tp=2).groups()
     assert groups["tp"][0] == [0, 1] and groups["dp_shard"][0] == [0, 2, 4] and groups["dp_replicate"][0] == [0, 6]
     with pytest.raises(ValueError, match="must divide"):
-        in_node_shape((1, 3, 3), 8)
+        in_node_shape(Mesh(1, 3, 3), 8)
 
 
 def test_equal_nodes_share_one_layout():
     node = load_topology_file(FIX / "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", "RTX A6000")
     w = NodeWiring.of(node)
-    assert node_layout(w, (1, 4, 2), (True, True, False)) is node_layout(NodeWiring.of(node), (1, 4, 2), (True, True, False))
+    spans = (True, True, False)
+    assert node_layout(w, (1, 4, 2), spans) is node_layout(NodeWiring.of(node), (1, 4, 2), spans)

@@ -62,7 +62,8 @@ def test_activation_bytes_follow_korthikanti():
     shape = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
     sbh = 2048 * 12288
     assert activation_bytes_per_layer(shape, 1) == pytest.approx(sbh * (34 + 5 * 96 * 2048 / 12288))
-    assert activation_bytes_per_layer(shape, 1, tp=8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * 96 * 2048 / (12288 * 8)))
+    assert activation_bytes_per_layer(shape, 1, tp=8) == \
+        pytest.approx(sbh * (10 + 24 / 8 + 5 * 96 * 2048 / (12288 * 8)))
     assert activation_bytes_per_layer(shape, 1, tp=8, sequence_parallel=True) == \
         pytest.approx(sbh * (34 / 8 + 5 * 96 * 2048 / (12288 * 8)))
     assert activation_bytes_per_layer(shape, 1, tp=8, sequence_parallel=True, recompute="selective") == \
@@ -212,10 +213,12 @@ def _h100_job(precision: str):
 def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
+    from orchestrator.planning.mesh import Mesh
 
     ctx, topo = _h100_job("bf16")
-    cl = cluster_layout(Wirings.of(topo), (1, 4, 2))
-    z1, z2 = (estimate(ctx, cl, Choice(s, (1, 4, 2), micro_batch=1, recompute="none")) for s in ("zero1", "zero2"))
+    mesh = Mesh(dp_replicate=1, dp_shard=4, tp=2)
+    cl = cluster_layout(Wirings.of(topo), mesh)
+    z1, z2 = (estimate(ctx, cl, Choice(s, mesh, micro_batch=1, recompute="none")) for s in ("zero1", "zero2"))
     assert z1.comm_parts == z2.comm_parts and z1.memory == z2.memory
     assert z1.comm_parts["param all-gather"] > 0
 
@@ -226,10 +229,12 @@ def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
 def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(strategy, gathers, scatters):
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
+    from orchestrator.planning.mesh import Mesh
 
     jobs = {p: _h100_job(p) for p in ("bf16", "fp32")}
-    cl = cluster_layout(Wirings.of(jobs["fp32"][1]), (1, 8, 1))
-    choice = Choice(strategy, (1, 8, 1), micro_batch=1, recompute="none")
+    mesh = Mesh(dp_replicate=1, dp_shard=8, tp=1)
+    cl = cluster_layout(Wirings.of(jobs["fp32"][1]), mesh)
+    choice = Choice(strategy, mesh, micro_batch=1, recompute="none")
     est = {p: estimate(ctx, cl, choice) for p, (ctx, _) in jobs.items()}
     # Weights cross the wire in FSDP2's param_dtype: half the all-gather bytes under bf16...
     assert est["bf16"].comm_parts["param all-gather"] < 0.55 * est["fp32"].comm_parts["param all-gather"]
@@ -282,9 +287,12 @@ def test_gloo_hierarchical_all_reduce_is_priced_from_gloo_collectives():
     hier, sched = group_all_reduce(n, g, "hierarchical")
     assert sched == "hierarchical (gloo ring between nodes)"
     assert hier == pytest.approx(gloo_reduce_scatter(n, 2, 5.0, 20.0, mem) + gloo_all_gather(n, 2, 5.0, 20.0, mem)
-                                 + gloo_all_reduce(n / 2, 2, 0.5, 50.0, mem))
+                                 + gloo_all_reduce(n / 2, 2, 0.5, 50.0, mem, over_wire=True))
     flat, fsched = group_all_reduce(n, g, "flat")
     assert fsched == "flat gloo ring"
+    # the flat ring's bottleneck is the network: priced as a full-duplex wire, not one host's TCP
+    assert flat == pytest.approx(gloo_all_reduce(n, 4, 1.0, 50.0, mem, over_wire=True))
+    assert flat < gloo_all_reduce(n, 4, 1.0, 50.0, mem)
     assert group_all_reduce(n, g, "auto") == min((hier, sched), (flat, fsched))
 
 
@@ -309,18 +317,18 @@ def _ddp_plan(nodes: int, *extra: str):
 def test_forced_hierarchical_sync_says_what_runs():
     # Across two nodes the runtime's DDP hook runs it: the plan says hierarchical.
     two = _ddp_plan(2)
-    assert two.sync["algorithm"] == "hierarchical"
+    assert two.sync.algorithm == "hierarchical"
     assert any(line.startswith("gradient sync: hierarchical") for line in two.explanation)
     # On one node it has no second level: the plan says flat, and why.
     one = _ddp_plan(1)
-    assert one.sync["algorithm"] == "flat"
+    assert one.sync.algorithm == "flat"
     assert any("hierarchical degenerates to flat: the group is on one node" in line for line in one.explanation)
 
 
 def test_forced_hierarchical_sync_under_fsdp2_runs_flat():
     # FSDP2 has no comm hook: zero3's reduce-scatter is one flat group, and the plan says so.
     plan = _ddp_plan(2, "parallel.strategy=zero3")
-    assert plan.sync["algorithm"] == "flat"
+    assert plan.sync.algorithm == "flat"
     assert any("parallel.sync=hierarchical runs flat: zero3 reduces gradients through FSDP2" in line
                for line in plan.explanation)
 
@@ -328,6 +336,6 @@ def test_forced_hierarchical_sync_under_fsdp2_runs_flat():
 def test_forced_hierarchical_sync_with_powersgd_runs_flat():
     # PowerSGD's DDP hook is a low-rank all-reduce of its own; the hierarchical hook cannot wrap it.
     plan = _ddp_plan(2, "parallel.compression=powersgd")
-    assert plan.sync["algorithm"] == "flat"
+    assert plan.sync.algorithm == "flat"
     assert any("parallel.sync=hierarchical runs flat: powersgd compression is its own all-reduce scheme" in line
                for line in plan.explanation)

@@ -52,10 +52,12 @@ def test_json_pcie_paths_have_zero_nvlinks_and_warnings_go_to_stderr(capsys):
     assert len(node["devices"]) == 4 and len(node["links"]) == 6
     assert any("partial capture" in w for w in node["warnings"])
     assert "warning:" in err and "partial capture" in err
-    code, out, _ = _probe(capsys, "--from", str(FIX / "nccl_xml_aws_p4d-24xl-topo.xml"), "--json")
+    # p5's XML names no GPU model: its PCI paths stand, and stderr says NVLink is not in the file.
+    code, out, err = _probe(capsys, "--from", str(FIX / "nccl_xml_aws_p5.48xl-topo.xml"), "--json")
     links = json.loads(out)["nodes"][0]["links"]
     assert len(links) == 28 and {l["nvlinks"] for l in links} == {0}
-    assert {l["kind"] for l in links} == {"pix", "phb", "sys"}
+    assert {l["kind"] for l in links} == {"phb"}
+    assert "NVLink is not in this file" in err and "--gpu" in err
 
 
 def test_gpu_name_and_nvlink_status_refine_a_capture(capsys):

@@ -8,6 +8,7 @@ ends exactly the processes these nodes started.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -65,13 +66,17 @@ class TwoNodeCluster:
     dashboard: str
     gcs: str
     token: str
+    home: Path
+    """HOME of every node's processes."""
     nodes: list[Node] = field(default_factory=list)
+    """The GPU-less head first, then two GPU nodes."""
 
     def node_ids(self) -> dict[str, int]:
         """Ray node id -> metrics export port, for the alive nodes."""
         import requests
 
-        r = requests.get(f"{self.dashboard}/nodes?view=summary", headers={"authorization": f"Bearer {self.token}"}, timeout=10)
+        r = requests.get(f"{self.dashboard}/nodes?view=summary", headers={"authorization": f"Bearer {self.token}"},
+                         timeout=10)
         r.raise_for_status()
         out = {}
         for n in r.json()["data"]["summary"]:
@@ -142,27 +147,34 @@ def cluster():
         ORCHESTRATOR_TOPOLOGY_FILE=str(TOPOLOGY),
         PYTHONPATH=str(ROOT),
     )
-    (gcs_port, dash_port, client_port, head_metrics, worker_metrics,
-     h_agent, h_agent_grpc, h_rtenv, w_agent, w_agent_grpc, w_rtenv) = _free_ports(11)
+    (gcs_port, dash_port, client_port, head_metrics, h_agent, h_agent_grpc, h_rtenv) = _free_ports(7)
     # Short paths: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
     head_tmp = Path(tempfile.mkdtemp(prefix="orxh-", dir="/tmp"))
-    worker_tmp = Path(tempfile.mkdtemp(prefix="orxw-", dir="/tmp"))
-    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}", '--resources={"accelerator_type:fake": 1}']
-    c = TwoNodeCluster(dashboard=f"http://127.0.0.1:{dash_port}", gcs=f"127.0.0.1:{gcs_port}", token=token)
+    worker_tmps = [Path(tempfile.mkdtemp(prefix=f"orxw{i}-", dir="/tmp")) for i in range(2)]
+    # The drivers' home: a relative monitor.runs_dir of a remote submit lands under it.
+    home = Path(tempfile.mkdtemp(prefix="orx-head-home-"))
+    env["HOME"] = str(home)
+    gpu_args = [f"--num-gpus={GPUS_PER_NODE}", f"--num-cpus={GPUS_PER_NODE}",
+                '--resources={"accelerator_type:fake": 1}']
+    c = TwoNodeCluster(dashboard=f"http://127.0.0.1:{dash_port}", gcs=f"127.0.0.1:{gcs_port}", token=token, home=home)
     try:
         c.nodes.append(_start_node(
             ["--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--dashboard-host=127.0.0.1",
              f"--dashboard-port={dash_port}", f"--ray-client-server-port={client_port}",
              f"--dashboard-agent-listen-port={h_agent}", f"--dashboard-agent-grpc-port={h_agent_grpc}",
-             f"--runtime-env-agent-port={h_rtenv}", *gpu_args],
+             f"--runtime-env-agent-port={h_rtenv}", "--num-gpus=0", "--num-cpus=2"],
             env, head_tmp, head_metrics, "head"))
         _wait(lambda: len(c.node_ids()) == 1, 60, "the head node and its dashboard")
-        c.nodes.append(_start_node(
-            [f"--address={c.gcs}", "--node-ip-address=127.0.0.1",
-             f"--dashboard-agent-listen-port={w_agent}", f"--dashboard-agent-grpc-port={w_agent_grpc}",
-             f"--runtime-env-agent-port={w_rtenv}", *gpu_args],
-            env, worker_tmp, worker_metrics, "worker"))
-        _wait(lambda: len(c.node_ids()) == 2, 60, "the worker node to join")
+        # The head has no GPU, as in every recipe of deploy/: the GPU nodes join it.
+        for i, tmp in enumerate(worker_tmps):
+            metrics, agent, agent_grpc, rtenv = _free_ports(4)
+            c.nodes.append(_start_node(
+                [f"--address={c.gcs}", "--node-ip-address=127.0.0.1",
+                 f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                 f"--runtime-env-agent-port={rtenv}", *gpu_args],
+                env, tmp, metrics, f"worker{i}"))
+            # One at a time: two raylets starting at once can overload a small machine's GCS.
+            _wait(lambda n=2 + i: len(c.node_ids()) == n, 90, f"GPU node {i} to join")
         yield c
     except BaseException:
         for n in c.nodes:
@@ -171,10 +183,11 @@ def cluster():
     finally:
         for n in reversed(c.nodes):
             _stop_node(n)
-        for d in (head_tmp, worker_tmp):
+        for d in (head_tmp, *worker_tmps):
             shutil.rmtree(d, ignore_errors=True)
             for log in d.parent.glob(d.name + ".*.log"):
                 log.unlink()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture
@@ -250,6 +263,23 @@ def test_wrong_or_missing_token_is_refused_with_advice(cluster, monkeypatch):
         shutil.rmtree(home, ignore_errors=True)
 
 
+def test_submit_with_a_wrong_token_is_one_line_within_seconds(cluster):
+    home = Path(tempfile.mkdtemp(prefix="orx-home-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_TOKEN="0" * 64, HOME=str(home))
+    try:
+        t0 = time.monotonic()
+        p = subprocess.run(
+            [sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", "--address", cluster.dashboard],
+            capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if l.strip()]
+    assert p.returncode == 2 and took < 15 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: Ray cluster at {cluster.dashboard} refused the token")
+
+
 def test_metrics_exported_with_tags_then_stop_ends_job(authed):
     from orchestrator.remote import client, job_logs, job_status, stop_job
 
@@ -276,7 +306,8 @@ def test_metrics_exported_with_tags_then_stop_ends_job(authed):
     for name in ("ray_orchestrator_tokens_per_second", "ray_orchestrator_mfu", "ray_orchestrator_memory_bytes",
                  "ray_orchestrator_step_time_seconds_bucket", "ray_orchestrator_steps_total"):
         assert re.search(rf'^{name}{{[^}}]*rank="1"', text, re.M), f"{name} missing from the export"
-    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job="metricsjob"', text, re.M), "a None val_loss was exported"
+    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job="metricsjob"', text, re.M), \
+        "a None val_loss was exported"
 
     assert stop_job(c.dashboard, job_id, wait_s=30) == "STOPPED"
     listed = {j.job_id: j.status for j in job_status(c.dashboard)}
@@ -295,15 +326,16 @@ def test_status_and_logs_of_unknown_job(authed):
 
 def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     """The whole path: ship the project, run `submit` on the head, train on 2 nodes, follow to the end."""
-    from orchestrator.remote import job_logs, job_status, submit_remote
+    from orchestrator.remote import job_logs, job_status, run_directory, submit_remote
 
     c = authed
     monkeypatch.chdir(ROOT)
     job = ROOT / "jobs" / "llm.yaml"
     overrides = ["name=remote", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
                  "train.max_steps=5", "train.global_batch_size=8", "train.eval_interval=5", "train.eval_iters=1",
-                 "checkpoint.enabled=false", "monitor.progress=false", "cluster.gpu=A100", f"monitor.runs_dir={tmp_path}"]
-    job_id = submit_remote(c.dashboard, str(job), overrides)
+                 "checkpoint.enabled=false", "monitor.progress=false", "cluster.gpu=A100", "parallel.tp=2"]
+    # monitor.runs_dir left at its default (relative `runs`): it lands in the head's home.
+    job_id, _ = submit_remote(c.dashboard, str(job), overrides)
     assert job_id.startswith("remote-")
     scraped: dict[int, str] = {}
     done = threading.Event()
@@ -331,7 +363,7 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     assert info.status == "SUCCEEDED", "".join(seen)[-3000:]
     assert info.name == "remote"
     assert "cluster.address=auto" in info.entrypoint
-    assert len(scraped) == 2, f"orchestrator metrics seen on {len(scraped)} of the 2 nodes' endpoints during the run"
+    assert len(scraped) == 2, f"orchestrator metrics seen on {len(scraped)} of the 2 GPU nodes' endpoints"
     ranks, nodes = set(), set()
     for text in scraped.values():
         for m in re.finditer(r'^ray_orchestrator_loss\{([^}]*)\}', text, re.M):
@@ -339,8 +371,18 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
             if tags.get("job") == "remote":
                 ranks.add(tags["rank"])
                 nodes.add(tags["node"])
-    assert nodes == set(c.node_ids()), "every node's ranks are tagged with their node"
+    head = next(n for n, port in c.node_ids().items() if port == c.nodes[0].metrics_port)
+    assert nodes == set(c.node_ids()) - {head}, "every GPU node's ranks are tagged with their node"
     assert ranks and all(r.isdigit() for r in ranks)
+    # The run directory is where a user finds it afterwards, and `status` names it.
+    run_dir = Path(run_directory(c.dashboard, job_id))
+    assert run_dir.parent == c.home / "runs" and (run_dir / "summary.json").is_file()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert [x["node"] for x in plan["left_out"]] == [head]
+    placement = json.loads((run_dir / "placement.json").read_text())
+    where = {p["rank"]: (p["node_id"], p["gpu"]) for p in placement}
+    for group in plan["groups"]["tp"]:  # TP pairs on the PCIe-switch pairs, as planned
+        assert len({where[r][0] for r in group}) == 1 and {where[r][1] for r in group} in ({0, 1}, {2, 3})
 
 
 def test_entrypoint_joins_the_cluster_it_runs_on():

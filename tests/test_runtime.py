@@ -49,7 +49,7 @@ def _run(tmp_path: Path, *overrides: str, resume: str | None = None):
 
 
 def _final_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
-    model = GPT(GPTConfig(**dataclasses.asdict(cfg.model)))
+    model = GPT(GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(GPTConfig)}))
     checkpoint.load_model_weights(checkpoint.committed(str(run_dir / "checkpoints"))[-1], model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -185,7 +185,8 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-c", _WRITER % port, str(tmp_path), "kill"], capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _WRITER % port, str(tmp_path), "kill"], capture_output=True,
+                          timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert [Path(c).name for c in checkpoint.committed(str(tmp_path))] == ["step_00000001"]
     assert (tmp_path / ".step_00000002.partial").is_dir()  # the torn write is there, and ignored

@@ -12,11 +12,11 @@ def test_the_rank_whose_own_work_is_over_1_3x_the_median_is_named_with_its_node(
         # every rank's step takes 1.0 s (they wait for each other); rank 5 waits least: it is the slow one
         exposed = 0.05 if rank == 5 else 0.45
         t.add(rank, [(1.0, exposed)] * 10)
-    nodes = {r: f"node{r // 4}" for r in range(8)}
-    slow = t.report(nodes)
-    assert [(s["rank"], s["node"]) for s in slow] == [(5, "node1")]
+    where = {r: {"node": f"node{r // 4}", "gpu": r % 4, "nic": f"mlx5_{r % 4}"} for r in range(8)}
+    slow = t.report(where)
+    assert [(s["rank"], s["node"], s["gpu"], s["link"]) for s in slow] == [(5, "node1", 1, "mlx5_1")]
     assert abs(slow[0]["ratio"] - 0.95 / 0.55) < 1e-9
-    assert "rank 5 on node1" in describe(slow)
+    assert "rank 5 on node1 GPU 1 (link mlx5_1)" in describe(slow)
 
 
 def test_no_straggler_within_1_3x_or_before_enough_steps():

@@ -134,7 +134,8 @@ def test_capture_cut_inside_a_row_keeps_the_rows_before_it():
         ("", "line 1, column 1"),
         ("\n\n   \n", "line 1, column 1"),
         ("hello world\nthis is not a matrix\n", "line 1, column 1"),
-        ("  GPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV4\t0-3\nGPU1\tNV4\t X \t0-3\n".replace("NV4\t0", "FOO\t0", 1), "line 2, column 10"),
+        ("  GPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV4\t0-3\nGPU1\tNV4\t X \t0-3\n".replace("NV4\t0", "FOO\t0", 1),
+         "line 2, column 10"),
         ("\tGPU0\tGPU1\nGPU0\t X \tPIX\nGPU1\tPIX\tPIX\n", "line 3, column 10"),
         ("\tGPU0\tGPU1\n", "line 1, column 1"),
         ("\tGPU0\tGPU2\nGPU0\t X \tPIX\n", "line 1, column 1"),
@@ -152,7 +153,8 @@ def test_short_row_followed_by_more_rows_is_an_error_not_a_partial_capture():
 
 
 def test_old_driver_names_nics_in_the_header_and_prints_soc():
-    text = "\tGPU0\tGPU1\tmlx5_0\tCPU Affinity\nGPU0\t X \tSOC\tPHB\t0-9\nGPU1\tSOC\t X \tSOC\t10-19\nmlx5_0\tPHB\tSOC\t X \t\n"
+    text = ("\tGPU0\tGPU1\tmlx5_0\tCPU Affinity\nGPU0\t X \tSOC\tPHB\t0-9\nGPU1\tSOC\t X \tSOC\t10-19\n"
+            "mlx5_0\tPHB\tSOC\t X \t\n")
     node = parse_topo_matrix(text)
     assert node.link(0, 1).kind == "sys"
     assert node.nics[0].name == "mlx5_0" and node.nics[0].gpu_paths == {0: "phb", 1: "sys"}
@@ -184,7 +186,8 @@ def test_nvlink_status_refines_the_matrix():
 
 
 def test_inactive_lanes_lower_the_link_and_warn():
-    text = "\tGPU0\tGPU1\tGPU2\tGPU3\nGPU0\t X \tNV6\tNV6\tNV6\nGPU1\tNV6\t X \tNV6\tNV6\nGPU2\tNV6\tNV6\t X \tNV6\nGPU3\tNV6\tNV6\tNV6\t X \n"
+    text = ("\tGPU0\tGPU1\tGPU2\tGPU3\nGPU0\t X \tNV6\tNV6\tNV6\nGPU1\tNV6\t X \tNV6\tNV6\n"
+            "GPU2\tNV6\tNV6\t X \tNV6\nGPU3\tNV6\tNV6\tNV6\t X \n")
     node = parse_topo_matrix(text)
     status = parse_nvlink_status((FIX / "nvlink_status_v100_degraded_azhpcdiag73.txt").read_text())
     refine_nvlink_bandwidth(node, status)
@@ -327,7 +330,8 @@ def test_files_sniff_every_format(tmp_path):
     ('{"foo": 1}', r"has key `nodes` .* or `devices`"),
     ('{"devices": [{"index": 0, "colour": "red"}]}', r"unexpected keyword argument 'colour'"),
     ('{"devices": [{"index": 0}, {"index": 1}], "links": []}', r"every pair of devices needs one link"),
-    ('{"devices": [{"index": 0}, {"index": 1}], "links": [{"a": 0, "b": 1, "kind": "warp"}]}', r"link kind must be one of"),
+    ('{"devices": [{"index": 0}, {"index": 1}], "links": [{"a": 0, "b": 1, "kind": "warp"}]}',
+     r"link kind must be one of"),
     ("GPU 0: A100\n\tLink 0: 25 GB/s\n", r"nvlink -s` output, which has lane rates but no topology"),
 ])
 def test_bad_files_name_the_file_and_the_problem(tmp_path, content, match):

@@ -13,10 +13,11 @@ import argparse
 import json
 import re
 
-from ..topology.model import NodeTopology
+from ..topology.model import NodeTopology, fabric_clique
 
 PREFIX = "orchestrator.io/"
 NONE = "none"
+NVLINK_DOMAIN_LABEL = f"{PREFIX}nvlink-domain"
 # NICs that carry GPU traffic between nodes; `unknown` is what `nvidia-smi topo -m` legends
 # give, and that matrix lists only the HCAs NCCL can use, never plain Ethernet ports.
 RAIL_KINDS = ("infiniband", "roce", "efa", "unknown")
@@ -44,12 +45,17 @@ def gpu_model(node: NodeTopology) -> str:
     return label_value(spec.name if spec is not None else gpus[0].name.removeprefix("NVIDIA "))
 
 
+def domain_label(clique: str) -> str:
+    """The label value of a multi-node NVLink fabric clique (`<uuid>/<id>` -> `<uuid>.<id>`)."""
+    return label_value(clique.replace("/", "."))
+
+
 def nvlink_domain(node: NodeTopology) -> str:
     """The multi-node NVLink fabric clique when there is one, else `<host>-0` for the node's own
     NVLink island (so nodes never share a domain by accident), else `none`."""
-    cliques = {d.fabric_clique for d in node.devices if d.fabric_clique}
-    if len(cliques) == 1:
-        return label_value(cliques.pop().replace("/", "."))
+    clique = fabric_clique(node)
+    if clique:
+        return domain_label(clique)
     if node.nvlink_domains:
         return label_value(f"{node.hostname or node.node_id or 'node'}-0")
     return NONE
@@ -70,7 +76,7 @@ def node_labels(node: NodeTopology) -> dict[str, str]:
     return {
         f"{PREFIX}gpu": gpu_model(node),
         f"{PREFIX}gpus": str(len(gpus)),
-        f"{PREFIX}nvlink-domain": nvlink_domain(node),
+        NVLINK_DOMAIN_LABEL: nvlink_domain(node),
         f"{PREFIX}nvlink-domain-size": str(largest),
         f"{PREFIX}nic-rails": str(len(rails)),
         f"{PREFIX}topology-source": topology_source(node),

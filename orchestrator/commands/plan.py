@@ -22,9 +22,13 @@ from ..topology.model import ClusterTopology
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", nargs="?", help="job YAML file (omit for the defaults)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. parallel.tp=2")
-    parser.add_argument("--topology", metavar="FILE", help="plan for this node capture instead of probing")
+    parser.add_argument("--topology", metavar="FILE", action="append",
+                        help="plan for this node capture instead of probing; give it twice to merge an NCCL XML "
+                             "(PCI tree, NICs) with a `nvidia-smi topo -m` (NVLink) of the same machine")
     parser.add_argument("--nodes", type=int, metavar="N", help="the described cluster has N such nodes")
-    parser.add_argument("--gpu", metavar="MODEL", help="GPU model of the described nodes, e.g. H100")
+    parser.add_argument("--gpu", metavar="MODEL",
+                        help="GPU model of the described nodes, e.g. H100, or as NVML names it "
+                             "('NVIDIA A100-SXM4-40GB'); an SXM part adds the NVSwitch fabric an NCCL XML cannot show")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--svg", metavar="OUT", help="write a drawing of the rank layout on the topology to OUT")
 
@@ -39,13 +43,15 @@ def _resolve(path: str, job: str | None) -> Path:
     return p
 
 
-def described_topology(cfg: JobConfig, path: str, nodes: int, job: str | None) -> ClusterTopology:
-    """The cluster of `nodes` copies of the capture at `path`, with the job's network settings."""
+def described_topology(cfg: JobConfig, path: str | list[str], nodes: int, job: str | None) -> ClusterTopology:
+    """The cluster of `nodes` copies of the capture at `path` (or of two captures of one machine,
+    merged), with the job's network settings."""
     from ..planning.describe import describe_cluster
-    from ..topology.files import load_topology_file
+    from ..topology.merge import load_merged
     from ..topology.network import network_from_nodes
 
-    node = load_topology_file(_resolve(path, job), cfg.cluster.gpu)
+    paths = [path] if isinstance(path, str) else path
+    node = load_merged([_resolve(p, job) for p in paths], cfg.cluster.gpu)
     # The job's cluster.inter_node_* settings take over from this figure when the plan is made.
     return describe_cluster(node, nodes, network_from_nodes([node]), cfg.cluster.gpu)
 
@@ -59,6 +65,7 @@ def live_topology(cfg: JobConfig) -> ClusterTopology:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..model_source import is_builtin_gpt
     from ..planning import plan_job
     from ..planning.render import render_svg, render_text
 
@@ -79,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
                           "(or cluster.topology_file)")
     else:
         topo = live_topology(cfg)
-    plan = plan_job(cfg, topo)
+    spec = None
+    if not is_builtin_gpt(cfg.model):
+        # Deferred: measuring a model imports torch, which planning the built-in GPT never needs.
+        from ..workloads.inspect import model_spec
+
+        spec = model_spec(cfg.model)
+    plan = plan_job(cfg, topo, spec=spec)
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))
     if args.json:
@@ -87,4 +100,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(render_text(plan, topo))
+    # What the capture could not say (NVLink missing from an XML, an assumed lane rate) is said
+    # with every plan made from it; on stderr under --json, so stdout stays JSON.
+    for w in dict.fromkeys(w for n in topo.nodes for w in n.warnings):
+        print(f"topology warning: {w}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -16,10 +16,13 @@ from ..errors import TopologyError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="from_file", metavar="FILE",
-                        help="read a capture instead of probing: topology JSON, NCCL topology XML or `nvidia-smi topo -m` text")
-    parser.add_argument("--gpu-name", metavar="NAME",
-                        help="GPU model for captures that do not name it (sets NVLink rates), e.g. 'NVIDIA RTX A6000'")
+    parser.add_argument("--from", dest="from_file", metavar="FILE", action="append",
+                        help="read a capture instead of probing: topology JSON, NCCL topology XML or "
+                             "`nvidia-smi topo -m` text; give it twice to merge an NCCL XML (PCI tree, NICs) "
+                             "with a `topo -m` (NVLink)")
+    parser.add_argument("--gpu", "--gpu-name", dest="gpu_name", metavar="NAME",
+                        help="GPU model for captures that do not name it, as NVML names it (sets NVLink rates; an SXM "
+                             "part adds the NVSwitch fabric an NCCL XML cannot show), e.g. 'NVIDIA H100 80GB HBM3'")
     parser.add_argument("--nvlink-status", metavar="FILE",
                         help="`nvidia-smi nvlink -s` output for the --from capture: per-lane rates, inactive lanes")
     parser.add_argument("--address", default=None,
@@ -37,11 +40,11 @@ def run(args: argparse.Namespace) -> int:
         cluster = _from_file(args)
     else:
         if args.nvlink_status or args.gpu_name:
-            raise TopologyError("--nvlink-status and --gpu-name refine a --from capture; a live probe reads NVML")
+            raise TopologyError("--nvlink-status and --gpu refine a --from capture; a live probe reads NVML")
         from ..cluster import connect
         from ..topology.cluster_probe import probe_cluster
 
-        with connect(args.address):
+        with connect(args.address, name="--address"):
             cluster = probe_cluster(measure=args.measure)
 
     from ..topology.render import render_svg, render_text
@@ -68,13 +71,21 @@ def run(args: argparse.Namespace) -> int:
 def _from_file(args: argparse.Namespace):
     from ..topology.files import load_cluster_file
 
-    cluster = load_cluster_file(args.from_file, gpu_name=args.gpu_name)
+    if len(args.from_file) > 1:
+        from ..topology.merge import load_merged
+        from ..topology.model import ClusterTopology
+        from ..topology.network import network_from_nodes
+
+        node = load_merged(args.from_file, gpu_name=args.gpu_name)
+        cluster = ClusterTopology(nodes=[node], network=network_from_nodes([node]))
+    else:
+        cluster = load_cluster_file(args.from_file[0], gpu_name=args.gpu_name)
     if args.nvlink_status:
         from ..topology.nvlink_status import parse_nvlink_status, refine_nvlink_bandwidth
 
         if len(cluster.nodes) != 1:
             raise TopologyError(f"{args.nvlink_status}: --nvlink-status refines a single-node capture; "
-                                f"{args.from_file} has {len(cluster.nodes)} nodes")
+                                f"{args.from_file[0]} has {len(cluster.nodes)} nodes")
         try:
             with open(args.nvlink_status, encoding="utf-8", errors="replace") as f:
                 text = f.read()

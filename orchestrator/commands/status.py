@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..remote import RemoteJob, default_address, job_status
+from ..remote import RemoteJob, default_address, job_status, run_directory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         job = jobs[0]
         for key, value in (("job", job.job_id), ("status", job.status), ("started", _when(job.start_time)),
                            ("ended", _when(job.end_time)), ("duration", _duration(job)),
-                           ("entrypoint", job.entrypoint), ("message", job.message or "-")):
+                           ("entrypoint", job.entrypoint), ("message", job.message or "-"),
+                           ("run dir", run_directory(address, job.job_id) or "- (not created yet)")):
             console.print(f"{key:<11}{value}", highlight=False, soft_wrap=True)
         return 0
     if not jobs:
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     for col in ("job", "status", "started", "duration", "message"):
         table.add_column(col, overflow="fold")
     for job in jobs:
-        table.add_row(job.job_id, job.status, _when(job.start_time), _duration(job), job.message.splitlines()[0] if job.message else "")
+        message = job.message.splitlines()[0] if job.message else ""
+        table.add_row(job.job_id, job.status, _when(job.start_time), _duration(job), message)
     console.print(table)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -12,6 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--address", metavar="URL",
         help="submit to a Ray cluster's Jobs API (e.g. http://HEAD:8265) and return; "
              "the driver then runs on the cluster (see `status`, `logs`, `stop`)",
+    )
+    p.add_argument(
+        "--verbose", action="store_true",
+        help="show every line the workers print, live (they are always in RUN_DIR/logs/rank-N.log); "
+             "without it the console shows worker errors and the first of each distinct warning",
     )
     p.add_argument(
         "--resume", metavar="RUN_DIR",
@@ -38,20 +44,7 @@ def resume_checkpoint(run_dir: str) -> str:
     raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root / 'checkpoints'}")
 
 
-def _stop_on_sigterm() -> None:
-    """`stop` (and schedulers) end the driver with SIGTERM: turn it into KeyboardInterrupt so
-    the driver's cleanup runs (actors and placement group released, run directory closed)."""
-    import signal
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     if args.address:
         from ..remote import submit_remote
 
@@ -59,19 +52,40 @@ def run(args: argparse.Namespace) -> int:
             from ..errors import ConfigError
 
             raise ConfigError("--resume reads a local run directory; with --address, resume on the cluster instead")
-        job_id = submit_remote(args.address, args.job, args.overrides)
+        job_id, cfg = submit_remote(args.address, args.job, args.overrides, verbose=args.verbose)
         print(f"submitted {job_id} to {args.address}")
+        if "://" not in cfg.monitor.runs_dir and not Path(cfg.monitor.runs_dir).expanduser().is_absolute():
+            print(f"its run directory will be under ~/{cfg.monitor.runs_dir} on the head node "
+                  f"(`status {job_id}` names it)")
         print(f"follow it with: python -m orchestrator logs {job_id} --follow --address {args.address}")
         return 0
 
-    from ..cluster import connect
     from ..config import load_config
-    from ..rundir import RunDir
-    from ..runtime.driver import run_job
+    from ..signals import stop_on_sigterm
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
-    resume = resume_checkpoint(args.resume) if args.resume else None
+    submit_job(cfg, args.resume, job=args.job, verbose=args.verbose)
+    return 0
+
+
+def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | None = None,
+               verbose: bool = False) -> dict:
+    """Measure the model, connect, create the run directory and run the driver: the one path of
+    the `submit` command and of `orchestrator.submit` in Python. Returns the run's summary.
+    `job` names the job file in the hint a stopped run prints; `verbose` shows every worker line."""
+    from rich.console import Console
+
+    from ..cluster import connect
+    from ..model_source import inside_ray_job, model_modules
+    from ..rundir import RUN_DIR_LINE, RunDir, anchored
+    from ..runtime.driver import measure_model
+    from ..runtime.worker_logs import WorkerLogs
+    from ..signals import stop_on_sigterm
+
+    cfg.monitor.runs_dir = anchored(cfg.monitor.runs_dir)
+    cfg.checkpoint.path = anchored(cfg.checkpoint.path)
+    resume = resume_checkpoint(resume_dir) if resume_dir else None
     if resume:
         from ..errors import ConfigError
         from ..runtime.checkpoint import read_meta
@@ -84,10 +98,55 @@ def run(args: argparse.Namespace) -> int:
             )
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
+    if cfg.checkpoint.export:
+        from ..export import require_safetensors
+
+        require_safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
-    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard) as dashboard_url:
+    # A model that breaks the contract fails here, in one line, before any cluster or run directory.
+    spec = measure_model(cfg, model_fn)
+    # The user's model module travels with the job (a Jobs API entrypoint's own env carries it already).
+    modules = [] if inside_ray_job() else model_modules(cfg.model, model_fn)
+    runtime_env = {"py_modules": modules} if modules else None
+    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard,
+                 runtime_env=runtime_env) as dashboard_url:
+        stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         # Created once a cluster is there: a failed connect leaves no empty run directory behind.
         run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
-        console.print(f"run directory: {run_dir.path}", markup=False)
-        run_job(cfg, run_dir, console, dashboard_url, resume_from=resume)
-    return 0
+        console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
+        with WorkerLogs(run_dir, console, verbose=verbose):
+            summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec)
+    if cfg.checkpoint.export:
+        from ..export import export_run
+
+        with console.status("exporting the final weights"):
+            out = export_run(run_dir.path, run_dir.path / "export")
+        console.print(f"exported the final weights to {out}", markup=False)
+    return summary
+
+
+def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: str | None, resume: str | None,
+                       model_fn=None, spec=None) -> dict:
+    """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
+    driver has released its actors and placement group by then)."""
+    import time
+
+    from ..runtime.driver import run_job
+    from ..runtime.stopped import stopped_summary
+    from ..signals import signal_name
+
+    t0 = time.monotonic()
+    try:
+        return run_job(cfg, run_dir, console, dashboard_url, resume_from=resume, model_fn=model_fn, spec=spec)
+    except KeyboardInterrupt as e:
+        name = signal_name(e)
+        summary = stopped_summary(cfg, run_dir, name, time.monotonic() - t0, resume)
+        run_dir.write_json("summary.json", summary)
+        said = f"stopped by {name} at step {summary['steps']}/{cfg.train.max_steps}; "
+        if summary["checkpoints"]:
+            said += f"last checkpoint {summary['checkpoints'][-1]}; continue with "
+            said += f"`python -m orchestrator submit {job or 'JOB'} --resume {run_dir.path}`"
+        else:
+            said += "no checkpoint was committed yet"
+        console.print(said, markup=False)
+        raise

@@ -34,6 +34,12 @@ GLOO_LAUNCH_US = 150.0
 # docstring); fitted to 2 gloo ranks on a 2-core host, 4 KiB to 16 MiB (benchmarks/cost_model.py).
 GLOO_RING_SLOWDOWN = 2.0
 GLOO_CHUNK_SLOWDOWN = 2.8
+# Between nodes the two directions of a ring step cross a full-duplex wire that, not the
+# host's cores, is the bottleneck: the one-host slowdown does not apply to the wire. What is
+# left of all-gather's is its whole, unpipelined chunks. Checked on shaped links between
+# network namespaces (benchmarks/cost_model.py --shaped), not fitted to them.
+GLOO_WIRE_RING_SLOWDOWN = 1.0
+GLOO_WIRE_CHUNK_SLOWDOWN = GLOO_CHUNK_SLOWDOWN / GLOO_RING_SLOWDOWN
 # Memory passes of reduce-scatter's clone into a fresh buffer: every page of it is faulted in
 # and zeroed by the kernel before the copy writes it.
 GLOO_FRESH_BUFFER_PASSES = 3
@@ -85,35 +91,41 @@ def _memory_s(nbytes: float, mem_gbps: float, passes: float = 2) -> float:
     return passes * nbytes / (mem_gbps * 1e9)
 
 
-def gloo_all_reduce(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float) -> float:
+def gloo_all_reduce(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float,
+                    over_wire: bool = False) -> float:
     """gloo's ring all-reduce on CPU: 2(p-1) steps of gloo's latency, 2(p-1)/p n at the ring's
-    share of the bandwidth, and the CPU's sum of (p-1)/p n bytes into the buffer."""
+    share of the bandwidth, and the CPU's sum of (p-1)/p n bytes into the buffer. `over_wire`:
+    the ring's bottleneck is a network link between nodes, not TCP inside one host."""
     _check(nbytes, bw_gbps)
     if p == 1 or nbytes == 0:
         return 0.0
     steps = 2 * (p - 1)
-    wire = bus_factor("all_reduce", p) * nbytes * GLOO_RING_SLOWDOWN / (bw_gbps * 1e9)
+    slowdown = GLOO_WIRE_RING_SLOWDOWN if over_wire else GLOO_RING_SLOWDOWN
+    wire = bus_factor("all_reduce", p) * nbytes * slowdown / (bw_gbps * 1e9)
     return GLOO_LAUNCH_US * 1e-6 + steps * (lat_us + GLOO_STEP_US) * 1e-6 + wire + \
         _memory_s((p - 1) / p * nbytes, mem_gbps)
 
 
-def gloo_reduce_scatter(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float) -> float:
+def gloo_reduce_scatter(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float,
+                        over_wire: bool = False) -> float:
     """torch's gloo reduce-scatter of an n-byte input: clone it, all-reduce all n bytes, copy
     out the rank's n/p."""
     if p == 1 or nbytes == 0:
         return 0.0
     clone = _memory_s(nbytes, mem_gbps, 2 * GLOO_FRESH_BUFFER_PASSES)
-    return clone + gloo_all_reduce(nbytes, p, bw_gbps, lat_us, mem_gbps) + \
+    return clone + gloo_all_reduce(nbytes, p, bw_gbps, lat_us, mem_gbps, over_wire) + \
         _memory_s(nbytes / p, mem_gbps)
 
 
-def gloo_all_gather(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float) -> float:
+def gloo_all_gather(nbytes: float, p: int, bw_gbps: float, lat_us: float, mem_gbps: float,
+                    over_wire: bool = False) -> float:
     """gloo's ring all-gather into an n-byte buffer: the rank's own n/p copied in, p-1 steps of
     two half-chunks each, then the flat buffer copied to the output."""
     _check(nbytes, bw_gbps)
     if p == 1 or nbytes == 0:
         return 0.0
-    wire = bus_factor("all_gather", p) * nbytes * GLOO_CHUNK_SLOWDOWN / (bw_gbps * 1e9)
+    slowdown = GLOO_WIRE_CHUNK_SLOWDOWN if over_wire else GLOO_CHUNK_SLOWDOWN
+    wire = bus_factor("all_gather", p) * nbytes * slowdown / (bw_gbps * 1e9)
     return GLOO_LAUNCH_US * 1e-6 + 2 * (p - 1) * (lat_us + GLOO_STEP_US) * 1e-6 + wire + \
         _memory_s(nbytes / p + nbytes, mem_gbps)
 
@@ -160,6 +172,11 @@ class GroupLinks:
         return self.size // self.per_node
 
     @property
+    def wire_bound(self) -> bool:
+        """A flat ring's slowest link is the network between nodes (not a path inside one)."""
+        return self.nodes > 1 and self.inter_gbps <= self.intra_gbps
+
+    @property
     def flat_gbps(self) -> float:
         """Bottleneck of one ring through every member: the slowest link it crosses."""
         return min(self.intra_gbps, self.inter_gbps)
@@ -187,7 +204,7 @@ def group_all_reduce(nbytes: float, g: GroupLinks, algorithm: str = "auto") -> t
         return 0.0, "flat"
     mem = g.gloo_mem_gbps
     if mem is not None:
-        flat, name = gloo_all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us, mem), "flat gloo ring"
+        flat, name = gloo_all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us, mem, g.wire_bound), "flat gloo ring"
     else:
         flat, kind = all_reduce(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
         name = f"flat {kind}"
@@ -202,7 +219,8 @@ def group_all_reduce(nbytes: float, g: GroupLinks, algorithm: str = "auto") -> t
     if mem is not None:
         inner = gloo_reduce_scatter(nbytes, m, g.intra_gbps, g.intra_lat_us, mem) + \
             gloo_all_gather(nbytes, m, g.intra_gbps, g.intra_lat_us, mem)
-        outer, okind = gloo_all_reduce(nbytes / m, g.nodes, g.inter_gbps / m, g.inter_lat_us, mem), "gloo ring"
+        outer = gloo_all_reduce(nbytes / m, g.nodes, g.inter_gbps / m, g.inter_lat_us, mem, over_wire=True)
+        okind = "gloo ring"
     else:
         inner = reduce_scatter(nbytes, m, g.intra_gbps, g.intra_lat_us) + \
             all_gather(nbytes, m, g.intra_gbps, g.intra_lat_us)
@@ -218,7 +236,7 @@ def group_reduce_scatter(nbytes: float, g: GroupLinks) -> float:
     if g.size == 1:
         return 0.0
     if g.gloo_mem_gbps is not None:
-        return gloo_reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps)
+        return gloo_reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
     return reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
 
 
@@ -227,5 +245,5 @@ def group_all_gather(nbytes: float, g: GroupLinks) -> float:
     if g.size == 1:
         return 0.0
     if g.gloo_mem_gbps is not None:
-        return gloo_all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps)
+        return gloo_all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
     return all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us)

@@ -108,10 +108,10 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
-def execution(ctx: JobContext, c: Choice, bucket_mb: float | None = None) -> Execution:
+def execution(ctx: JobContext, c: Choice) -> Execution:
     """What runs for choice `c` (Unsupported when it cannot run at all)."""
     return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
-                   compression=c.compression, algorithm=c.algorithm, bucket_mb=bucket_mb or c.bucket_mb or 25.0,
+                   compression=c.compression, algorithm=c.algorithm, bucket_mb=c.bucket_mb or 25.0,
                    max_steps=ctx.max_steps)
 
 
@@ -135,7 +135,8 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     flops = flops_per_step(shape, ctx.global_batch, c.recompute) / world
     eff = efficiency(c.micro_batch * shape.seq, shape.hidden / tp, ctx.on_gpu)
     mm = matmul_seconds(flops, ctx.speed, eff)
-    fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / flops_per_step(shape, ctx.global_batch, c.recompute)
+    step_flops = flops_per_step(shape, ctx.global_batch, c.recompute)
+    fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
     st = runtime_states(c.strategy, shape, tp, ex.shard_group, lay)
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
@@ -191,7 +192,10 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         if not ex.reshard_after_forward:
             # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
             parts["grad reduce-scatter"], parts["param all-gather"] = accum * rs, ag
-            exposed += accum * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block if overlap else accum * rs + ag
+            if overlap:
+                exposed += accum * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block
+            else:
+                exposed += accum * rs + ag
         else:
             # ZeRO-3 / FSDP: gather forward, gather again for backward, reduce-scatter, per micro-step.
             parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, accum * rs
@@ -214,5 +218,6 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
                     grad_accum_steps=accum, overlap=overlap)
     mem = rank_memory(c.strategy, shape, tp, ex.shard_group, c.micro_batch, c.recompute, lay,
                       bucket_mb * MB if ex.ddp_reduces else 0.0, ctx.on_gpu)
-    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s, exposed_comm_s=min(exposed, comm_s),
+    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s,
+                    exposed_comm_s=min(exposed, comm_s),
                     sync=sync, comm_parts=parts, schedule=schedule)

@@ -95,7 +95,8 @@ def in_node_shape(mesh: Mesh, g: int) -> Mesh:
     return Mesh(rest // shard, shard, tp)
 
 
-def _ring(members: list[int], closed: bool, table: dict[tuple[int, int], tuple[float, float]]) -> tuple[float, float, float]:
+def _ring(members: list[int], closed: bool,
+          table: dict[tuple[int, int], tuple[float, float]]) -> tuple[float, float, float]:
     """(bottleneck GB/s, worst latency us, summed GB/s) of a ring (or a path) through members."""
     if len(members) < 2:
         return math.inf, 0.0, 0.0
@@ -225,7 +226,8 @@ def _greedy_partition(n: int, k: int, group_of):
     while left:
         head = left[0]
         comps = itertools.islice(itertools.combinations(left[1:], k - 1), 2000)
-        block = max(((head, *c) for c in comps), key=lambda b: (group_of(b)[1][0], group_of(b)[1][1], group_of(b)[1][3]))
+        block = max(((head, *c) for c in comps),
+                    key=lambda b: (group_of(b)[1][0], group_of(b)[1][1], group_of(b)[1][3]))
         part.append(block)
         left = [x for x in left if x not in block]
     return part

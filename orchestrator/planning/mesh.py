@@ -80,6 +80,20 @@ class RankPlacement:
     """The node's Ray node id (`node<i>` for a described cluster)."""
     gpu: int
     """The device index on that node (GPU index in PCI bus order, or CPU slot)."""
+    nic: str | None = None
+    """The NIC nearest the GPU (`mlx5_0`, or the capture's column name `NIC0` where it names
+    no device) that carries this rank's traffic to other nodes; None when none is known."""
+    nvlink_domain: str | None = None
+    """The multi-node NVLink domain (`<fabric cluster uuid>/<clique>`) of the rank's node, which
+    placement keeps it in; None when the node is in none."""
+
+    def __post_init__(self) -> None:
+        # Placement pins a rank to its node and the hierarchical all-reduce groups ranks by it.
+        if not isinstance(self.node, str) or not self.node:
+            raise ValueError(f"rank {self.rank} needs a non-empty node id, got {self.node!r}")
+        if self.rank < 0 or self.gpu < 0:
+            raise ValueError(f"rank and device index are non-negative, got rank {self.rank} device {self.gpu}")
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "node": self.node, "gpu": self.gpu}
+        return {"rank": self.rank, "node": self.node, "gpu": self.gpu, "nic": self.nic,
+                "nvlink_domain": self.nvlink_domain}

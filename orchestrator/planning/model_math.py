@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .model_spec import ModelSpec
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -31,6 +32,8 @@ class ModelShape:
     """s: sequence length (the context length every sample is cut to)."""
     bias: bool = True
     """Whether Linear and LayerNorm layers carry biases (GPT-2 style)."""
+    spec: ModelSpec | None = None
+    """The measured figures of a model that is not the built-in GPT; None: the GPT's formulas."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -43,9 +46,24 @@ class ModelShape:
     def from_config(cls, m: ModelConfig) -> "ModelShape":
         return cls(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, vocab=m.vocab_size, seq=m.block_size, bias=m.bias)
 
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> "ModelShape":
+        """A measured model: its letters for the formulas that need them (TP activations, the
+        per-block all-reduce), its measured figures for everything the spec states."""
+        heads = spec.heads if spec.hidden % spec.heads == 0 else 1
+        return cls(layers=spec.blocks, hidden=spec.hidden, heads=heads, vocab=spec.vocab, seq=spec.seq, bias=False,
+                   spec=spec)
+
+    @property
+    def tp_capable(self) -> bool:
+        """Whether the runtime can shard this model with tensor parallelism."""
+        return self.spec is None or self.spec.tp_plan
+
 
 def block_params(shape: ModelShape) -> int:
     """Parameters of one transformer block: q, k, v, o (4h^2), MLP (8h^2), two LayerNorms."""
+    if shape.spec is not None:
+        return shape.spec.block_params
     h = shape.hidden
     weights = 12 * h * h
     if not shape.bias:
@@ -56,6 +74,8 @@ def block_params(shape: ModelShape) -> int:
 
 def param_count(shape: ModelShape) -> int:
     """Distinct parameters of the GPT workload (the tied wte/lm_head counted once)."""
+    if shape.spec is not None:
+        return shape.spec.params
     h = shape.hidden
     final_norm = 2 * h if shape.bias else h
     return shape.layers * block_params(shape) + (shape.vocab + shape.seq) * h + final_norm
@@ -74,6 +94,8 @@ def narayanan_params(shape: ModelShape) -> float:
 def root_params(shape: ModelShape) -> int:
     """Parameters outside the blocks: the tied wte/lm_head, the position embedding and the
     final LayerNorm (what the runtime's root FSDP unit holds)."""
+    if shape.spec is not None:
+        return shape.spec.root_params
     final_norm = 2 * shape.hidden if shape.bias else shape.hidden
     return (shape.vocab + shape.seq) * shape.hidden + final_norm
 
@@ -87,6 +109,8 @@ def tp_param_split(shape: ModelShape) -> tuple[int, int]:
     replicated. Megatron's vocabulary-parallel embedding would shard V h more; the runtime keeps
     the tied weight whole so that wte and lm_head stay one parameter.
     """
+    if shape.spec is not None:
+        return shape.spec.tp_sharded_params, shape.spec.params - shape.spec.tp_sharded_params
     h, l = shape.hidden, shape.layers
     sharded = l * 12 * h * h
     if shape.bias:
@@ -96,6 +120,8 @@ def tp_param_split(shape: ModelShape) -> tuple[int, int]:
 
 def forward_flops_per_token_layers(shape: ModelShape) -> float:
     """Forward matmul FLOPs per token in the blocks: 24h^2 per layer + 4sh for attention scores."""
+    if shape.spec is not None:
+        return shape.layers * shape.spec.block_forward_flops_per_token
     h, s = shape.hidden, shape.seq
     return shape.layers * (24 * h * h + 4 * s * h)
 
@@ -112,8 +138,10 @@ def flops_per_step(shape: ModelShape, batch: int, recompute: str = "none") -> fl
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
     b, s, h = batch, shape.seq, shape.hidden
     layers_fwd = b * s * forward_flops_per_token_layers(shape)
-    logits_fwd = 2 * b * s * h * shape.vocab
-    total = 3 * (layers_fwd + logits_fwd)
+    if shape.spec is not None:  # measured: the whole forward, blocks, head and all
+        total = 3 * b * s * shape.spec.forward_flops_per_token
+    else:
+        total = 3 * (layers_fwd + 2 * b * s * h * shape.vocab)
     if recompute == "full":
         total += layers_fwd
     elif recompute == "selective":
@@ -142,6 +170,15 @@ def activation_bytes_per_layer(
         raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
     s, b, h, a = shape.seq, micro_batch, shape.hidden, shape.heads
     sbh = s * b * h
+    if shape.spec is not None and recompute != "full":
+        # Measured bytes of the whole block; tensor parallelism divides the part Korthikanti's
+        # GPT block has inside the sharded matmuls (24 of 34), the rest stays whole per rank.
+        # Selective recomputation saves nothing more here: the measured attention kernels
+        # already keep no s x s matrix.
+        measured = b * shape.spec.block_activation_bytes
+        if tp == 1:
+            return measured
+        return measured * (34 / tp if sequence_parallel else 10 + 24 / tp) / 34
     attention = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
     if recompute == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -13,13 +14,16 @@ from ..choices import Choice, Compression, Precision, Recompute, Strategy, SyncA
 from ..config import JobConfig
 from ..errors import PlanError
 from ..topology.model import ClusterTopology
+from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed
-from .cost import Estimate, JobContext, execution
+from .cost import Estimate, JobContext
 from .gpus import known_names
-from .layout import ClusterLayout, Wirings, rank_placements
+from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, model_flops_per_step, param_count
+from .model_spec import ModelSpec
+from .nics import assign_nics
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
 from .sync import SyncPlan, powersgd_ratio
@@ -37,6 +41,14 @@ class ModelSummary:
     """Model FLOPs of one optimizer step (MFU's numerator)."""
     peak_tflops_per_rank: float
     """The device peak the compute model used; MFU is measured against it."""
+    name: str = "gpt"
+    """The model's factory (`module:callable`) or architecture; `gpt` for the built-in GPT."""
+    blocks: int = 0
+    """Repeated blocks (the unit of FSDP wrapping and activation checkpointing)."""
+    block_class: str = "Block"
+    """Class name of the repeated block."""
+    tp_plan: bool = True
+    """Whether the model declares a tensor-parallel plan (without one the plan keeps tp=1)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,11 +102,15 @@ class Alternative:
 
 
 def _execution_to_dict(ex: Execution) -> dict[str, Any]:
-    return {f.name: (getattr(ex, f.name).to_dict() if f.name == "mesh" else list(ex.notes) if f.name == "notes"
-                     else None if getattr(ex, f.name) is None
-                     else str(getattr(ex, f.name)) if isinstance(getattr(ex, f.name), Choice)
-                     else getattr(ex, f.name))
-            for f in fields(ex)}
+    def plain(v: Any) -> Any:
+        """A JSON value: choices by name, the mesh by axis, notes as a list."""
+        if isinstance(v, Mesh):
+            return v.to_dict()
+        if isinstance(v, tuple):
+            return list(v)
+        return str(v) if isinstance(v, Choice) else v
+
+    return {f.name: plain(getattr(ex, f.name)) for f in fields(ex)}
 
 
 def _execution_from_dict(d: dict[str, Any]) -> Execution:
@@ -139,6 +155,8 @@ class Plan:
     """The runners-up and rejected candidates, each with its reason."""
     explanation: tuple[str, ...] = ()
     """Lines that explain the choice to a person."""
+    left_out: tuple[LeftOut, ...] = ()
+    """Nodes of the probed cluster that run no rank (a GPU-less head under a GPU plan), and why."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.mesh.world_size:
@@ -180,6 +198,7 @@ class Plan:
             "recompute": str(self.recompute),
             "world_size": self.world_size,
             "explanation": list(self.explanation),
+            "left_out": [x.to_dict() for x in self.left_out],
         }
 
     @classmethod
@@ -188,7 +207,8 @@ class Plan:
             model=ModelSummary(**d["model"]),
             strategy=Strategy(d["strategy"]),
             mesh=Mesh.from_dict(d["mesh"]),
-            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"])) for r in d["ranks"]),
+            ranks=tuple(RankPlacement(int(r["rank"]), str(r["node"]), int(r["gpu"]), nic=r.get("nic"),
+                                      nvlink_domain=r.get("nvlink_domain")) for r in d["ranks"]),
             memory_per_rank=MemoryBreakdown(**{k: int(v) for k, v in d["memory_per_rank"].items()}),
             fits=bool(d["fits"]),
             reason=d["reason"],
@@ -199,6 +219,7 @@ class Plan:
             recompute=Recompute(d["recompute"]),
             alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
             explanation=tuple(d.get("explanation", [])),
+            left_out=tuple(LeftOut(**x) for x in d.get("left_out", [])),
         )
 
 
@@ -206,11 +227,16 @@ def _gb(x: float) -> str:
     return f"{x / GB:.2f} GB" if abs(x) >= 0.1 * GB else f"{x / 1e6:.1f} MB"
 
 
-def job_context(cfg: JobConfig, topology: ClusterTopology) -> JobContext:
+def model_shape(cfg: JobConfig, spec: ModelSpec | None = None) -> ModelShape:
+    """The model the planner prices: the measured `spec`, or the built-in GPT's formulas."""
+    return ModelShape.from_config(cfg.model) if spec is None else ModelShape.from_spec(spec)
+
+
+def job_context(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None) -> JobContext:
     """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
     byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
     and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
-    return _context(cfg, topology, ModelShape.from_config(cfg.model))
+    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, model_shape(cfg, spec))
 
 
 def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobContext:
@@ -218,14 +244,16 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobCon
         raise PlanError("the cluster has no devices to plan for (no GPU and no CPU slot)")
     kinds = {d.kind for n in topo.nodes for d in n.devices}
     if len(kinds) > 1:
-        raise PlanError("the cluster mixes GPUs and CPU slots; plan for one kind (GPUs, or cluster.num_workers CPU slots)")
+        raise PlanError("the cluster mixes GPUs and CPU slots; plan for one kind "
+                        "(GPUs, or cluster.num_workers CPU slots)")
     on_gpu = kinds == {"gpu"}
     speeds: list[DeviceSpeed] = []
     for node in topo.nodes:
         for d in node.devices:
             s = device_speed(d, cfg.train.precision, cfg.cluster.gpu)
             if s is None:
-                raise PlanError(f"GPU {d.name or '(unnamed)'} on {node.hostname or node.node_id or 'a node'} is not in the "
+                where = node.hostname or node.node_id or "a node"
+                raise PlanError(f"GPU {d.name or '(unnamed)'} on {where} is not in the "
                                 f"planner's table; set cluster.gpu (or --gpu) to one of: {', '.join(known_names())}")
             speeds.append(s)
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
@@ -292,7 +320,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
     m = e.memory
     node = topo.nodes[0]
     lines = [
-        f"model: {ctx.params / 1e6:.2f}M parameters, {model_flops_per_step(ctx.shape, ctx.global_batch) / 1e12:.3g} TFLOP "
+        f"model: {ctx.params / 1e6:.2f}M parameters, "
+        f"{model_flops_per_step(ctx.shape, ctx.global_batch) / 1e12:.3g} TFLOP "
         f"per step ({ctx.global_batch} sequences of {ctx.shape.seq} tokens)",
         f"cluster: {len(topo.nodes)} node(s) x {node.num_devices} {ctx.speed.name}"
         + (f", network {ctx.net_gbps:g} GB/s per node, {ctx.net_lat_us:g} us" if len(topo.nodes) > 1 else ""),
@@ -301,7 +330,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         + (f" (forced: {', '.join(cons.forced())})" if cons.forced() else ""),
         f"precision: {ctx.layout.name}",
         f"memory per rank: params {_gb(m.params)}, grads {_gb(m.grads)}, optimizer {_gb(m.optimizer)}, "
-        f"activations {_gb(m.activations)}, buffers {_gb(m.buffers)}; total {_gb(m.total)} ({_fit_reason(e, ctx, res.fits)})",
+        f"activations {_gb(m.activations)}, buffers {_gb(m.buffers)}; total {_gb(m.total)} "
+        f"({_fit_reason(e, ctx, res.fits)})",
         f"step time: compute {e.compute_s * 1e3:.2f} ms, communication {e.comm_s * 1e3:.2f} ms of which "
         f"{e.exposed_comm_s * 1e3:.2f} ms exposed, total {e.total_s * 1e3:.2f} ms"
         + (" (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in e.comm_parts.items()) + ")" if e.comm_parts else ""),
@@ -325,27 +355,44 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         lines.append(why)
     elif suggestion:
         lines.append(suggestion)
+    if not ctx.shape.tp_capable:
+        lines.append("tensor parallelism: none, the model declares no tensor-parallel plan")
     lines += [f"runs as: {note}" for note in e.execution.notes]
     return lines
 
 
-def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
+def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None, *,
+             left_out: tuple[LeftOut, ...] = ()) -> Plan:
     """Plan `cfg` on `topology`: the fastest plan that fits, or, when the config forces choices
     that cannot fit, the forced plan with fits=False and the reason. PlanError only when
-    nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides)."""
-    shape = ModelShape.from_config(cfg.model)
+    nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides).
+
+    Nodes `plannable` leaves out (GPU-less nodes of a GPU cluster) run no rank; `left_out`
+    adds those a caller already set aside, so the plan names them all. `spec` is the measured
+    model (`workloads.inspect.model_spec`); None plans the built-in GPT of `cfg.model` by its
+    formulas."""
+    real, more = plannable(topology)
+    left_out = tuple(left_out) + more
+    view = nvlink_view(real)
+    topology = view.topology
+    shape = model_shape(cfg, spec)
     ctx = _context(cfg, topology, shape)
+    if not shape.tp_capable and cfg.parallel.tp not in ("auto", 1):
+        raise PlanError(f"key 'parallel.tp': {spec.name if spec else 'the model'} declares no tensor-parallel plan, "
+                        f"so only tp=1 can run; got {cfg.parallel.tp}")
+    # A model without a tensor-parallel plan gets none: no head count but 1 divides by tp > 1.
+    tp_heads = (math.gcd(spec.heads, spec.kv_heads) if spec else shape.heads) if shape.tp_capable else 1
     try:
         wirings = Wirings.of(topology)
     except ValueError as e:
         raise PlanError(f"cannot lay out ranks: {e}") from e
     cons = Constraints.from_config(cfg)
-    res = search(ctx, wirings, cons, shape.heads)
+    res = search(ctx, wirings, cons, tp_heads)
     if res.best is None:
         raise PlanError(_nothing_plannable(cfg, wirings, cons, shape, res))
     suggestion = ""
     if not res.fits and cons.forced():
-        free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), shape.heads)
+        free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), tp_heads)
         if free.best is not None and free.fits:
             c = free.best.choice
             suggestion = (f"without the forced choices, {c.strategy} on {c.mesh} with micro-batch "
@@ -358,27 +405,35 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology) -> Plan:
     alternatives = [_alternative(r, r.fits(ctx.usable_bytes), e, ctx) for r in res.runners_up[:MAX_ALTERNATIVES]]
     alternatives += [Alternative(strategy=r.strategy, mesh=r.mesh, fits=False, reason=r.reason)
                      for r in res.rejected[:MAX_ALTERNATIVES]]
+    ranks, nic_notes = assign_nics(real_ranks(view, real, cl), {node_name(n, i): n for i, n in enumerate(real.nodes)})
+    nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
     return Plan(
         model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
-                           peak_tflops_per_rank=ctx.speed.peak_tflops),
+                           peak_tflops_per_rank=ctx.speed.peak_tflops, name=spec.name if spec else "gpt",
+                           blocks=shape.layers, block_class=spec.block_class if spec else "Block",
+                           tp_plan=shape.tp_capable),
         strategy=e.choice.strategy,
         mesh=e.choice.mesh,
-        ranks=rank_placements(topology, cl),
+        ranks=ranks,
         memory_per_rank=e.memory,
         fits=res.fits,
         reason=reason,
         step_time=StepTime(e.compute_s, e.comm_s, e.exposed_comm_s, e.total_s),
         sync=e.sync,
-        # What runs is resolved once more with the concrete choices the estimate made.
-        execution=execution(ctx, replace(e.choice, algorithm=e.sync.algorithm), bucket_mb=e.sync.bucket_mb),
+        # What was priced, with the schedule and bucket the estimate settled on; its notes say
+        # what runs differently from the request, for the explanation and the runtime alike.
+        execution=replace(e.execution, sync_algorithm=e.sync.algorithm, bucket_mb=e.sync.bucket_mb),
         micro_batch_size=e.choice.micro_batch,
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
-        explanation=tuple(_explain(res, ctx, cons, topology, suggestion)),
+        explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + describe_domains(view, real) + nic_notes
+                          + [f"left out: {x}" for x in left_out]),
+        left_out=left_out,
     )
 
 
-def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape, res: SearchResult) -> str:
+def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape,
+                       res: SearchResult) -> str:
     world = wirings.devices_per_node * len(wirings.node_index)
     gb = cfg.train.global_batch_size
     # The smallest data-parallel sizes any tensor-parallel degree allows: a batch must be a multiple of one.

@@ -45,7 +45,7 @@ def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
     out.append(f"gradient sync: {s.algorithm}, bucket {s.bucket_mb:g} MB, compression {s.compression}, "
                f"{s.grad_accum_steps} accumulation step(s), overlap {'on' if s.overlap else 'off'}")
     out.append("")
-    out.append("layout (rank -> node:gpu)")
+    out.append("layout (rank -> node:gpu" + ("/nic" if any(r.nic for r in plan.ranks) else "") + ")")
     out.extend(_layout_lines(plan))
     out.append("")
     out.append("why")
@@ -75,7 +75,7 @@ def _layout_lines(plan: Plan) -> list[str]:
         cells = []
         for k in range(0, len(ranks), tp):
             grp = ranks[k:k + tp]
-            cell = " ".join(f"r{r.rank}:{r.gpu}" for r in grp)
+            cell = " ".join(f"r{r.rank}:{r.gpu}" + (f"/{r.nic}" if r.nic else "") for r in grp)
             cells.append(f"[{cell}]" if tp > 1 else cell)
         lines.append(f"  {node}: " + " ".join(cells))
     return lines
@@ -93,7 +93,8 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
     size, pad = 360, 30
     width = max(size * len(nodes) + pad, 620)  # room for the title and the legend
     height = size + 90
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             'font-family="sans-serif" font-size="11">',
              f'<text x="{pad}" y="20" font-size="14">{escape(plan.strategy)} on '
              f'{escape(str(plan.mesh))}; {escape(what)}</text>']
     rank_of: dict[tuple[str, int], int] = {(r.node, r.gpu): r.rank for r in plan.ranks}
@@ -109,8 +110,9 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
         for l in sorted(node.links, key=lambda l: l.bandwidth_gbps):
             (x1, y1), (x2, y2) = pos[l.a], pos[l.b]
             w = 0.5 + 5 * l.bandwidth_gbps / max_bw
-            parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{_LINK_COLOURS.get(l.kind, "#999")}" '
-                         f'stroke-width="{w:.2f}" opacity="0.6"><title>{l.a}-{l.b} {l.kind} {l.bandwidth_gbps:g} GB/s</title></line>')
+            parts.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" '
+                         f'stroke="{_LINK_COLOURS.get(l.kind, "#999")}" stroke-width="{w:.2f}" opacity="0.6">'
+                         f'<title>{l.a}-{l.b} {l.kind} {l.bandwidth_gbps:g} GB/s</title></line>')
         for d in devs:
             x, y = pos[d]
             rank = rank_of.get((name, d))
@@ -118,15 +120,18 @@ def render_svg(plan: Plan, topology: ClusterTopology) -> str:
             parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="18" fill="{colour}" stroke="#222"/>')
             label = f"r{rank}" if rank is not None else "-"
             parts.append(f'<text x="{x:.1f}" y="{y - 2:.1f}" text-anchor="middle" fill="white">{label}</text>')
-            parts.append(f'<text x="{x:.1f}" y="{y + 10:.1f}" text-anchor="middle" fill="white" font-size="9">gpu{d}</text>')
+            parts.append(f'<text x="{x:.1f}" y="{y + 10:.1f}" text-anchor="middle" fill="white" '
+                         f'font-size="9">gpu{d}</text>')
     if len(topology.nodes) > len(nodes):
-        parts.append(f'<text x="{pad}" y="{height - 10}">... {len(topology.nodes) - len(nodes)} more node(s), laid out the same way</text>')
+        parts.append(f'<text x="{pad}" y="{height - 10}">... {len(topology.nodes) - len(nodes)} more node(s), '
+                     'laid out the same way</text>')
     kinds = [k for k in _LINK_COLOURS if any(l.kind == k for n in nodes for l in n.links)]
     x = pad
     parts.append(f'<text x="{x}" y="{height - 25}" fill="#444">links (wider = faster):</text>')
     x += 140
     for k in kinds:
-        parts.append(f'<line x1="{x}" y1="{height - 29}" x2="{x + 22}" y2="{height - 29}" stroke="{_LINK_COLOURS[k]}" stroke-width="4"/>')
+        parts.append(f'<line x1="{x}" y1="{height - 29}" x2="{x + 22}" y2="{height - 29}" '
+                     f'stroke="{_LINK_COLOURS[k]}" stroke-width="4"/>')
         parts.append(f'<text x="{x + 27}" y="{height - 25}" fill="#444">{escape(k)}</text>')
         x += 40 + 7 * len(k)
     parts.append("</svg>")

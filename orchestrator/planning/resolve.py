@@ -176,7 +176,8 @@ def resolve(
         algorithm = SyncAlgorithm.flat
 
     return Execution(
-        strategy=strategy, mesh=mesh, device=device, wrapping=wrapping, shard_group=shard_group, ddp_reduces=ddp_reduces,
+        strategy=strategy, mesh=mesh, device=device, wrapping=wrapping, shard_group=shard_group,
+        ddp_reduces=ddp_reduces,
         zero_optimizer=wrapping == Strategy.zero1,
         reshard_after_forward=wrapping in (Strategy.zero3, Strategy.hsdp),
         fsdp_replicates=not ddp_reduces and strategy in (Strategy.ddp, Strategy.hsdp),

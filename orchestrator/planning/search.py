@@ -127,8 +127,9 @@ def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constrain
             if strategy == Strategy.zero1 and wrapping_of(strategy, tp) != strategy and cons.strategy is None:
                 continue  # it runs as zero2 (see resolve): offer zero2 by its name
             mesh = Mesh(1, d, tp)
-            bad = (f"strategy {strategy} shards over all {d} data-parallel ranks, got parallel.dp_shard={cons.dp_shard}; "
-                   f"use parallel.strategy=hsdp to shard over fewer") if cons.dp_shard not in (None, d) else ""
+            bad = (f"strategy {strategy} shards over all {d} data-parallel ranks, "
+                   f"got parallel.dp_shard={cons.dp_shard}; use parallel.strategy=hsdp to shard over fewer"
+                   ) if cons.dp_shard not in (None, d) else ""
             out.append((mesh, bad))
         else:
             shards = [cons.dp_shard] if cons.dp_shard else [s for s in divisors(d) if 1 < s < d]
@@ -174,8 +175,8 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
                 continue
             dp = mesh.dp
             if ctx.global_batch % dp:
-                rejected.append(Rejected(strategy, mesh, f"train.global_batch_size={ctx.global_batch} is not a multiple "
-                                                         f"of the data-parallel size {dp}"))
+                why = f"train.global_batch_size={ctx.global_batch} is not a multiple of the data-parallel size {dp}"
+                rejected.append(Rejected(strategy, mesh, why))
                 continue
             if mesh not in layouts:
                 try:
@@ -187,9 +188,9 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
             per_rank = ctx.global_batch // dp
             if cons.micro_batch is not None and per_rank % cons.micro_batch:
                 ok = ", ".join(map(str, divisors(per_rank)))
-                rejected.append(Rejected(strategy, mesh, f"train.micro_batch_size={cons.micro_batch} does not divide the "
-                                                         f"{per_rank} sequences per data-parallel rank (train.global_batch_size="
-                                                         f"{ctx.global_batch} / {dp}); allowed: {ok}"))
+                why = (f"train.micro_batch_size={cons.micro_batch} does not divide the {per_rank} sequences per "
+                       f"data-parallel rank (train.global_batch_size={ctx.global_batch} / {dp}); allowed: {ok}")
+                rejected.append(Rejected(strategy, mesh, why))
                 continue
             mbs = [cons.micro_batch] if cons.micro_batch else divisors(per_rank)
             fitting, closest = [], None
@@ -211,7 +212,8 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
                 best = _fastest(fitting)
                 if cons.compression is None and ctx.on_gpu and cons.allow_compression \
                         and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s:
-                    tries = [estimate(ctx, cl, Choice(strategy, mesh, best.choice.micro_batch, best.choice.recompute, comp,
+                    b = best.choice
+                    tries = [estimate(ctx, cl, Choice(strategy, mesh, b.micro_batch, b.recompute, comp,
                                                       cons.algorithm, cons.bucket_mb))
                              for comp in _compressions(strategy, mesh.tp, ctx)]
                     evaluated += len(tries)

@@ -29,7 +29,8 @@ def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title
     line at each step a restart resumed from."""
     pts = train + val
     if not pts:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><text x="20" y="40">no steps</text></svg>'
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
+                '<text x="20" y="40">no steps</text></svg>')
     x_hi = max(1, max(s for s, _ in pts))
     losses = [v for _, v in pts if math.isfinite(v)]
     y_lo, y_hi = min(losses), max(losses)
@@ -59,10 +60,12 @@ def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title
     out.append(f'<line x1="{LEFT}" y1="{H - BOTTOM}" x2="{W - RIGHT}" y2="{H - BOTTOM}" stroke="#333"/>')
     out.append(f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{H - BOTTOM}" stroke="#333"/>')
     out.append(f'<text x="{(LEFT + W - RIGHT) / 2}" y="{H - 10}" text-anchor="middle">optimizer step</text>')
-    out.append(f'<text transform="translate(16 {(TOP + H - BOTTOM) / 2}) rotate(-90)" text-anchor="middle">loss (nats/token)</text>')
+    out.append(f'<text transform="translate(16 {(TOP + H - BOTTOM) / 2}) rotate(-90)" '
+               'text-anchor="middle">loss (nats/token)</text>')
     for step in restarts:
         x = X(step)
-        out.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{H - BOTTOM}" stroke="#888" stroke-dasharray="4 3"/>')
+        out.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{H - BOTTOM}" stroke="#888" '
+                   'stroke-dasharray="4 3"/>')
         out.append(f'<text x="{x + 4:.1f}" y="{TOP + 12}" fill="#666">restart</text>')
     if train:
         path = " ".join(f"{X(s):.1f},{Y(v):.1f}" for s, v in train if math.isfinite(v))
@@ -73,7 +76,8 @@ def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title
         out += [f'<circle cx="{X(s):.1f}" cy="{Y(v):.1f}" r="3.5" fill="#e45756"/>' for s, v in val]
     lx = W - RIGHT - 150
     out.append(f'<rect x="{lx}" y="{TOP + 6}" width="140" height="44" fill="white" stroke="#ccc"/>')
-    out.append(f'<line x1="{lx + 10}" y1="{TOP + 20}" x2="{lx + 34}" y2="{TOP + 20}" stroke="#4c78a8" stroke-width="2"/>')
+    out.append(f'<line x1="{lx + 10}" y1="{TOP + 20}" x2="{lx + 34}" y2="{TOP + 20}" stroke="#4c78a8" '
+               'stroke-width="2"/>')
     out.append(f'<text x="{lx + 40}" y="{TOP + 24}">train loss</text>')
     out.append(f'<circle cx="{lx + 22}" cy="{TOP + 38}" r="3.5" fill="#e45756"/>')
     out.append(f'<text x="{lx + 40}" y="{TOP + 42}">validation loss</text>')

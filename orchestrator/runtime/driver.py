@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,10 +23,11 @@ from rich.table import Table
 from ..config import JobConfig, to_yaml
 from ..errors import CheckpointError, PlanError, RunFailed
 from ..planning import Plan, plan_job
+from ..planning.cluster_view import plannable
+from ..planning.model_spec import ModelSpec
 from ..rundir import RunDir
 from . import supervise
 from .curve import loss_svg
-from .elastic import devices_for_plan
 from .metrics import record_restart
 from .progress import ProgressView
 from .straggler import StragglerTracker, describe
@@ -42,6 +44,10 @@ class RunState:
     val: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
+    model_fn: Callable[..., Any] | None = None
+    """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
+    spec: ModelSpec | None = None
+    """The measured model the planner prices; None for the built-in GPT (its formulas)."""
 
     @property
     def last_step(self) -> int:
@@ -56,11 +62,13 @@ class RunState:
 class WorkerFailure(Exception):
     """A worker actor died or a rank raised while training."""
 
-    def __init__(self, reason: str, ranks: list[int], nodes: list[str], detected_at: str | None = None,
+    def __init__(self, reason: str, ranks: list[int], nodes: list[str], detected_unix_s: float | None = None,
                  stacks: str | None = None) -> None:
         super().__init__(reason)
         self.reason, self.ranks, self.nodes = reason, ranks, nodes
-        self.detected_at = detected_at or _now()
+        self.detected_unix_s = detected_unix_s or time.time()
+        """When the driver saw the failure (before asking who is to blame)."""
+        self.detected_at = _now(self.detected_unix_s)
         self.stacks = stacks
         """The run-directory folder with every rank's stacks (a hang), else None."""
 
@@ -74,8 +82,8 @@ class Regrow(Exception):
         self.reason, self.checkpoint, self.step = str(self), checkpoint, step
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+def _now(t: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
 def _use_gpu(topology) -> bool:
@@ -83,26 +91,31 @@ def _use_gpu(topology) -> bool:
     return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir, left_out: list[str]):
-    """The plan that keeps the global batch (on the part of `topology` it uses), with notes on
-    the nodes and devices it leaves out; plan.json is written even when refused: it says why."""
+def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> ModelSpec | None:
+    """The model's spec, measured on the meta device; None for the built-in GPT. ConfigError
+    (one line naming the key) for a model that breaks the contract."""
+    from ..workloads.inspect import is_builtin_gpt, model_spec
+
+    return None if is_builtin_gpt(cfg.model, model_fn) else model_spec(cfg.model, model_fn)
+
+
+def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None):
+    """The plan that keeps the global batch on the part of `topology` it uses (`elastic`), and
+    that part; plan.json is written even when refused: it says why."""
     from .elastic import plan_keeping_batch
 
     try:
-        plan, used, note = plan_keeping_batch(cfg, topology)
+        plan, used, note = plan_keeping_batch(cfg, topology, spec, left_out)
     except PlanError:
         try:
-            run.write_json("plan.json", plan_job(cfg, topology).to_dict())
+            run.write_json("plan.json", plan_job(cfg, topology, spec, left_out=left_out).to_dict())
         except PlanError:
             pass
         raise
-    notes = [note] if note else []
-    if left_out:
-        notes.append(f"left out of the GPU plan (no GPU): {', '.join(left_out)}")
-    if notes:
-        plan = replace(plan, explanation=tuple(plan.explanation) + tuple(notes))
+    if note:
+        plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
     run.write_json("plan.json", plan.to_dict())
-    return plan, used, notes
+    return plan, used, note
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -112,12 +125,14 @@ def _steady_mean(values: list[float]) -> float:
 
 
 def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | None:
-    """The newest checkpoint under `root` that verifies; damaged ones are named and skipped."""
+    """The newest checkpoint under `root` that verifies (hashed in parallel across the nodes);
+    damaged ones are named and skipped."""
     from . import checkpoint
+    from .verify import verify_parallel
 
     for path in reversed(checkpoint.committed(root)):
         try:
-            meta = checkpoint.verify(path)
+            meta = verify_parallel(path)
         except CheckpointError as e:
             console.print(f"[yellow]warning:[/] {escape(str(e))}; trying the previous checkpoint")
             continue
@@ -131,20 +146,28 @@ def run_job(
     console: Console,
     dashboard_url: str | None = None,
     resume_from: str | None = None,
+    model_fn: Callable[..., Any] | None = None,
+    spec: ModelSpec | None = None,
 ) -> dict[str, Any]:
     """Run the job on the connected Ray cluster, restarting after failures up to
-    `train.max_failures` times; returns the summary written to summary.json."""
+    `train.max_failures` times; returns the summary written to summary.json. `model_fn` builds
+    the model instead of `model.factory` (the Python API); `spec` is its measurement
+    (`measure_model`), made here when not given."""
     t_start = time.monotonic()
+    state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn))
     run.write_text("config.yaml", to_yaml(cfg))
     if dashboard_url:
         console.print(f"Ray dashboard: http://{dashboard_url}")
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
-    state = RunState()
     resume = resume_from
     while True:
         try:
             plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume)
             break
+        except PlanError:
+            if state.restarts:  # the world shrank below what the job can run on: the summary says so too
+                run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+            raise
         except Regrow as g:
             state.restarts.append({"time": _now(), "reason": g.reason, "ranks": [], "nodes": [], "grow": True,
                                    "failed_at_step": state.last_step, "resumed_from_step": g.step,
@@ -163,6 +186,7 @@ def run_job(
             restart = {
                 "time": _now(),
                 "detected_at": f.detected_at,
+                "detected_unix_s": f.detected_unix_s,
                 "reason": f.reason,
                 "ranks": f.ranks,
                 "nodes": f.nodes,
@@ -208,12 +232,17 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
         topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
     run.write_text("topology.json", topology.to_json())
-    topology, left_out = devices_for_plan(topology)
-    use_gpu = _use_gpu(topology)
-    topology = _elastic(cfg, topology)
-    devices_at_plan = topology.num_devices
-    plan, topology, notes = _plan(cfg, topology, run, left_out)
-    for note in notes:
+    for warning in dict.fromkeys(w for n in topology.nodes for w in n.warnings if _shown(w)):
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
+    view, left_out = plannable(topology)
+    use_gpu = _use_gpu(view)
+    view = _elastic(cfg, view)
+    devices_at_plan = view.num_devices
+    plan, view, note = _plan(cfg, view, run, left_out, state.spec)
+    for x in plan.left_out:
+        console.print(f"left out: {escape(str(x))}")
+    if note:
         console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(
         f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
@@ -226,6 +255,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             timeout_s=cfg.cluster.placement_timeout_s,
         )
     affinity = _cpu_affinity(plan, topology)
+    nccl = _nccl(plan, topology)
     try:
         run.write_json("placement.json", placement.reports)
         actors = placement.actors
@@ -233,14 +263,16 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
             master = ray.get(actors[0].rendezvous_address.remote())
             with console.status("starting the process group and building the model"):
                 setups = ray.get([
-                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None)
+                    a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r],
+                                   state.model_fn)
                     for r, a in enumerate(actors)
                 ])
         except (RayActorError, RayTaskError) as e:
             _raise_failure(e, placement)
         for report, setup in zip(placement.reports, setups):
             # What each rank set up for itself: the GPUs it exposes to NCCL, the CPUs it runs on.
-            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"])
+            report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"],
+                          nccl_env=setup["nccl_env"])
         run.write_json("placement.json", placement.reports)
         for note in _notes(setups):
             console.print(f"[yellow]note:[/] {escape(note)}")
@@ -248,8 +280,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
         if resume:
             console.print(f"resumed from {escape(resume)} at step {start}")
         grow = (lambda: _devices_now(cfg)) if use_gpu else None
-        finals = _train(cfg, run, console, placement, state, start, ckpt_dir, _predicted_step_s(plan),
-                        devices_at_plan, grow)
+        finals = _train(cfg, run, console, placement, plan, state, start, ckpt_dir, devices_at_plan, grow)
         ray.get([a.shutdown.remote() for a in actors])
     finally:
         placement.release()
@@ -262,8 +293,11 @@ def _devices_now(cfg: JobConfig) -> int:
     return min(gpus, cfg.elastic.max_workers) if cfg.elastic.max_workers else gpus
 
 
-def _predicted_step_s(plan: Plan) -> float:
-    return plan.step_time.total_s
+def _shown(warning: str) -> bool:
+    """Probe warnings the driver repeats: those about NICs a node declares but lacks."""
+    from ..topology.local import MISSING_NIC_WARNING
+
+    return MISSING_NIC_WARNING in warning
 
 
 def _notes(setups: list[dict[str, Any]]) -> list[str]:
@@ -275,6 +309,15 @@ def _cpu_affinity(plan: Plan, topology) -> list[str | None]:
     """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
     by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
     return [by_node.get(r.node, {}).get(r.gpu) for r in plan.ranks]
+
+
+def _nccl(plan: Plan, topology) -> list:
+    """Each rank's NCCL settings, decided per node from its probed topology (`nccl_env`)."""
+    from .nccl_env import nccl_setup
+
+    multi = len(set(plan.node_of_rank)) > 1
+    by_node = {n.node_id: nccl_setup(n, multi) for n in topology.nodes if n.node_id in set(plan.node_of_rank)}
+    return [by_node.get(r.node) for r in plan.ranks]
 
 
 def _elastic(cfg: JobConfig, topology):
@@ -293,8 +336,9 @@ def _elastic(cfg: JobConfig, topology):
 def _raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> None:
     """Turn a rank's error into a WorkerFailure naming only the ranks whose actors are dead
     (or no longer answer): survivors stuck in a collective behind them are not failed."""
-    detected = _now()
-    who = supervise.blame(placement.actors, known_dead)
+    detected = time.time()
+    node_of = [r["node_id"] for r in placement.reports] if placement.reports else None
+    who = supervise.blame(placement.actors, known_dead, node_of)
     dead = who.ranks
     nodes = _nodes_of(placement, dead)
     kind = "worker died" if dead else "rank raised"
@@ -303,8 +347,9 @@ def _raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> Non
     raise WorkerFailure(f"{kind}: {detail}", dead, nodes, detected) from err
 
 
-def _node_of_rank(placement) -> dict[int, str]:
-    return {r: rep["node_id"] for r, rep in enumerate(placement.reports or [])}
+def _where(plan: Plan) -> dict[int, dict[str, Any]]:
+    """Each rank's placement in the plan (node, device, NIC), for the straggler report."""
+    return {r.rank: r.to_dict() for r in plan.ranks}
 
 
 def _nodes_of(placement, ranks: list[int]) -> list[str]:
@@ -313,17 +358,15 @@ def _nodes_of(placement, ranks: list[int]) -> list[str]:
 
 def _raise_hang(run: RunDir, placement, timeout_s: float, step: int) -> None:
     """No step finished for `timeout_s`: save every rank's stacks, blame the silent ones."""
-    detected = _now()
+    detected = time.time()
     folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
-    supervise.save_stacks(placement.actors, run.path / folder)
-    who = supervise.blame(placement.actors)
+    who = supervise.save_stacks(placement.actors, run.path / folder)
     raise WorkerFailure(f"hang: no step finished within {timeout_s:.0f} s after step {step}; stacks in {folder}",
                         who.ranks, _nodes_of(placement, who.ranks), detected, folder)
 
 
-def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunState, start: int,
-           ckpt_dir: str, predicted_step_s: float | None = None, devices_at_plan: int = 0,
-           devices_now=None) -> list[dict[str, Any]]:
+def _train(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan, state: RunState, start: int,
+           ckpt_dir: str, devices_at_plan: int = 0, devices_now=None) -> list[dict[str, Any]]:
     """Run every rank's step loop and follow it through the metrics sink until all return:
     a rank's future failing is the failure signal, no step for too long is a hang."""
     from .worker import MetricsSink
@@ -338,10 +381,10 @@ def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunS
     pending = list(refs)
     rank_of = {ref: r for r, ref in enumerate(refs)}
     state.stragglers = StragglerTracker()  # this world's ranks only
-    node_of = _node_of_rank(placement)
+    where = _where(plan)
     announced: set[int] = set()
     e = cfg.elastic
-    watchdog = supervise.Watchdog(supervise.hang_timeout_s(predicted_step_s, e.hang_factor, e.hang_floor_s))
+    watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s))
     try:
         with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
             while True:
@@ -356,7 +399,7 @@ def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunS
                 timed = any(it["kind"] == "times" for it in items)
                 _consume(items, state, run, view, cfg.monitor.log_interval)
                 if timed:
-                    slow = [s for s in state.stragglers.report(node_of) if s["rank"] not in announced]
+                    slow = [s for s in state.stragglers.report(where) if s["rank"] not in announced]
                     if slow:
                         announced.update(s["rank"] for s in slow)
                         console.print(f"[yellow]straggler:[/] {escape(describe(slow))}")
@@ -414,12 +457,14 @@ def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, repo
     measured_mem = [f["state_bytes"] for f in finals]
     warnings = []
     if predicted and math.isfinite(measured_step) and not (0.5 <= measured_step / predicted <= 2.0):
-        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s by more than 2x")
+        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s "
+                        "by more than 2x")
     m = plan.memory_per_rank
     model_state_pred = m.params + m.grads + m.optimizer
     model_state_meas = max((sum(m.values()) for m in measured_mem), default=0)
     if model_state_pred and model_state_meas and not (0.5 <= model_state_meas / model_state_pred <= 2.0):
-        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's {model_state_pred:,} by more than 2x")
+        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's "
+                        f"{model_state_pred:,} by more than 2x")
     return {
         "job": cfg.name,
         "strategy": str(plan.strategy),
@@ -445,7 +490,7 @@ def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, repo
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
         "restarts": state.restarts,
-        "stragglers": state.stragglers.report({r["rank"]: r["node_id"] for r in reports}),
+        "stragglers": state.stragglers.report(_where(plan)),
     }
 
 
@@ -463,8 +508,9 @@ def _print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     if s["predicted"]["step_s"]:
         t.add_row("step time predicted", f"{s['predicted']['step_s'] * 1000:.1f} ms")
     exposed = s["measured"]["exposed_comm_s"]
+    predicted_exposed = s["predicted"]["exposed_comm_s"]
     t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
-              + (f" (predicted {s['predicted']['exposed_comm_s'] * 1000:.1f} ms)" if s["predicted"]["exposed_comm_s"] else ""))
+              + (f" (predicted {predicted_exposed * 1000:.1f} ms)" if predicted_exposed else ""))
     t.add_row("wall time", f"{s['wall_s']:.1f} s")
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)

@@ -16,24 +16,9 @@ from dataclasses import replace
 from ..config import JobConfig
 from ..errors import PlanError
 from ..planning import Plan, plan_job
+from ..planning.cluster_view import LeftOut
+from ..planning.model_spec import ModelSpec
 from ..topology.model import ClusterTopology, NodeTopology
-
-
-def devices_for_plan(topology: ClusterTopology) -> tuple[ClusterTopology, list[str]]:
-    """The devices a plan is made for, and the names of the nodes left out: where any GPU
-    exists, only GPUs (a GPU-less head or CPU node reports CPU slots, which a GPU plan cannot
-    use); CPU slots only where the cluster has no GPU at all."""
-    has_gpu = any(d.kind == "gpu" for n in topology.nodes for d in n.devices)
-    if not has_gpu:
-        return topology, []
-    kept, left_out = [], []
-    for n in topology.nodes:
-        gpus = {d.index for d in n.devices if d.kind == "gpu"}
-        if not gpus:
-            left_out.append(n.hostname or n.node_id)
-            continue
-        kept.append(n if len(gpus) == n.num_devices else _keep(n, gpus))
-    return ClusterTopology(nodes=kept, network=topology.network), left_out
 
 
 def _keep(node: NodeTopology, keep: set[int]) -> NodeTopology:
@@ -61,14 +46,16 @@ def uniform_subworlds(topology: ClusterTopology) -> list[ClusterTopology]:
     return out
 
 
-def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology) -> tuple[Plan, ClusterTopology, str | None]:
-    """The plan for `topology` (already cut to elastic.max_workers) that keeps the global batch:
+def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None,
+                       left_out: tuple[LeftOut, ...] = ()) -> tuple[Plan, ClusterTopology, str | None]:
+    """The plan for `topology` (the plannable nodes, already cut to elastic.max_workers) that
+    keeps the global batch:
     the planner's own choice when the whole world admits one, otherwise the plan for the
     largest uniform sub-world that does, with a note saying how many devices stay idle. Below
     elastic.min_workers, PlanError in one line."""
     min_w = cfg.elastic.min_workers
     try:
-        plan = plan_job(cfg, topology)
+        plan = plan_job(cfg, topology, spec, left_out=left_out)
         if plan.fits:
             return plan, topology, None
         first: Exception | None = PlanError(f"the plan does not fit: {plan.reason}")
@@ -80,7 +67,7 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology) -> tuple[Plan,
         if sub.num_devices < min_w:
             break
         try:
-            plan = plan_job(cfg, sub)
+            plan = plan_job(cfg, sub, spec, left_out=left_out)
         except PlanError:
             continue
         if plan.fits:

@@ -52,6 +52,7 @@ from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
+from orchestrator.workloads.models import attention_of, block_list
 
 _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -255,17 +256,17 @@ class Parallelized:
 
 
 def _apply_recompute(model: nn.Module, recompute: Recompute) -> None:
-    """Wrap blocks (full) or their attention (selective) in non-reentrant activation checkpointing."""
+    """Wrap the repeated blocks (full) or their attention (selective) in non-reentrant activation
+    checkpointing; a block without an attention submodule is wrapped whole."""
     if recompute == Recompute.none:
         return
-    blocks = getattr(model, "h", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"recompute={recompute} needs a model with transformer blocks in .h; got {type(model).__name__}")
+    blocks = block_list(model)
     for i, block in enumerate(blocks):
-        if recompute == Recompute.full:
+        found = attention_of(block) if recompute == Recompute.selective else None
+        if found is None:
             blocks[i] = checkpoint_wrapper(block)
         else:
-            block.attn = checkpoint_wrapper(block.attn)
+            setattr(block, found[0], checkpoint_wrapper(found[1]))
 
 
 def _zero_optimizer(
@@ -328,8 +329,8 @@ def parallelize(
     dp_mesh = mesh["dp_replicate", "dp_shard"] if ex.fsdp_replicates else _dp_mesh(mesh)
     policy, policy_notes = fsdp_policy(str(ex.param_dtype), str(ex.compression), _dp_mesh(mesh).get_group())
     notes += policy_notes
-    for block in getattr(model, "h", ()):
+    for block in block_list(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
-    # The root holds the embeddings and the tied lm_head, so the shared weight has one owner.
+    # The root holds the embeddings and the output head, so a tied weight has one owner.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     return Parallelized(model, make_optimizer(model), notes)

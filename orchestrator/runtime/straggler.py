@@ -27,9 +27,10 @@ class StragglerTracker:
     def add(self, rank: int, times: list[tuple[float, float]]) -> None:
         self.samples.setdefault(rank, []).extend(times)
 
-    def report(self, node_of_rank: dict[int, str]) -> list[dict[str, Any]]:
+    def report(self, where: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         """Ranks whose median work time is over SLOW_FACTOR x the median of all ranks', slowest
-        first, each with its node and how much slower it is."""
+        first, each with how much slower it is and where it runs: `where[rank]` is the plan's
+        placement (`node`, `gpu`, and `nic`, the link it reaches other nodes by, where known)."""
         work = {r: median(max(0.0, s - (e or 0.0)) for s, e in xs)
                 for r, xs in self.samples.items() if len(xs) >= MIN_STEPS}
         if len(work) < 2:
@@ -37,12 +38,15 @@ class StragglerTracker:
         mid = median(work.values())
         if mid <= 0:
             return []
-        slow = [{"rank": r, "node": node_of_rank.get(r), "work_s": w, "median_work_s": mid,
-                 "ratio": w / mid} for r, w in work.items() if w > SLOW_FACTOR * mid]
+        slow = [{"rank": r, "node": where.get(r, {}).get("node"), "gpu": where.get(r, {}).get("gpu"),
+                 "link": where.get(r, {}).get("nic"), "work_s": w, "median_work_s": mid, "ratio": w / mid}
+                for r, w in work.items() if w > SLOW_FACTOR * mid]
         return sorted(slow, key=lambda s: -s["ratio"])
 
 
 def describe(slow: list[dict[str, Any]]) -> str:
     """One line for the progress view."""
-    return "; ".join(f"rank {s['rank']} on {(s['node'] or '?')[:12]} is {s['ratio']:.1f}x the median work time"
-                     for s in slow)
+    return "; ".join(f"rank {s['rank']} on {(s['node'] or '?')[:12]}"
+                     + (f" GPU {s['gpu']}" if s.get("gpu") is not None else "")
+                     + (f" (link {s['link']})" if s.get("link") else "")
+                     + f" is {s['ratio']:.1f}x the median work time" for s in slow)

@@ -18,9 +18,15 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-PING_TIMEOUT_S = 3.0
+PING_TIMEOUT_S = 10.0
 """How long a live actor may take to answer on its control thread (a loaded host, a GIL held
-by a long op); an actor that is gone fails its call well before this."""
+by a long op); an actor that is gone fails its call well before this, so the wait is paid in
+full only when some rank is stopped or unreachable, and once for all ranks."""
+
+
+SETTLE_S = 1.0
+"""Pause between the two liveness questions: long enough for a worker whose node has just
+gone to notice and exit, short beside any restart."""
 
 
 @dataclass(frozen=True)
@@ -45,44 +51,58 @@ def dead_from_futures(errors: dict[int, Exception]) -> list[int]:
     return sorted(r for r, e in errors.items() if isinstance(e, RayActorError))
 
 
-def blame(actors: list[Any], known_dead: list[int] = (), timeout_s: float = PING_TIMEOUT_S) -> Blame:
-    """Ask every actor, all at once, whether it is alive; one wait for all of them, not one
-    timeout per rank."""
-    refs = {}
-    dead = set(known_dead)
-    for rank, a in enumerate(actors):
-        if rank not in dead:
-            refs[a.alive.remote()] = rank
+def _ping(actors: list[Any], skip: set[int], timeout_s: float) -> tuple[set[int], set[int]]:
+    """(dead, silent) among the ranks not in `skip`, from one wait for all of them."""
+    refs = {a.alive.remote(): rank for rank, a in enumerate(actors) if rank not in skip}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    dead = set()
     for ref in ready:
         try:
             ray.get(ref)
         except Exception:
             dead.add(refs[ref])
-    answered = {refs[r] for r in ready}
-    silent = sorted(set(refs.values()) - answered)
-    return Blame(dead=sorted(dead), silent=silent)
+    return dead, set(refs.values()) - {refs[r] for r in ready}
 
 
-def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOUT_S) -> dict[int, str]:
+def blame(actors: list[Any], known_dead: list[int] = (), node_of: list[str] | None = None,
+          timeout_s: float = PING_TIMEOUT_S, settle_s: float = SETTLE_S) -> Blame:
+    """Ask every actor, all at once, whether it is alive: one wait for all of them, not one
+    timeout per rank. Asked twice, `settle_s` apart: a worker whose node's raylet has just died
+    can still answer once before it exits. Ranks on nodes Ray reports dead (`node_of[rank]`)
+    are dead whatever they answered."""
+    dead = set(known_dead)
+    more, silent = _ping(actors, dead, timeout_s)
+    dead |= more
+    time.sleep(settle_s)
+    more, later = _ping(actors, dead | silent, timeout_s)
+    dead |= more
+    silent |= later
+    if node_of:
+        gone = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+        dead |= {r for r, node in enumerate(node_of) if node in gone} - silent
+    return Blame(dead=sorted(dead), silent=sorted(silent))
+
+
+def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOUT_S) -> Blame:
     """Every answering rank's Python stacks (all threads, faulthandler) in out_dir/rank_NNNN.txt;
-    a rank that cannot answer (stopped, gone) gets a file saying so. Returns rank -> file name."""
+    a rank that cannot answer (stopped, gone) gets a file saying so. The same single wait says
+    who is to blame: the ranks whose actor is gone and those that did not answer."""
     out_dir.mkdir(parents=True, exist_ok=True)
     refs = {a.stacks.remote(): rank for rank, a in enumerate(actors)}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     texts = {rank: f"rank {rank}: no answer within {timeout_s:g} s (stopped, gone or holding the GIL)\n"
              for rank in refs.values()}
+    dead = []
     for ref in ready:
         try:
             texts[refs[ref]] = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the reason goes into the file instead
             texts[refs[ref]] = f"rank {refs[ref]}: {type(e).__name__}: {e}\n"
-    files = {}
+            dead.append(refs[ref])
     for rank, text in sorted(texts.items()):
-        path = out_dir / f"rank_{rank:04d}.txt"
-        path.write_text(text)
-        files[rank] = path.name
-    return files
+        (out_dir / f"rank_{rank:04d}.txt").write_text(text)
+    answered = {refs[r] for r in ready}
+    return Blame(dead=sorted(dead), silent=sorted(set(refs.values()) - answered))
 
 
 class Watchdog:

@@ -1,56 +1,58 @@
-"""Megatron-style tensor parallelism for the GPT blocks, expressed as a DTensor plan.
+"""Tensor parallelism for any model that declares a plan, as DTensor `parallelize_module` styles.
 
-Attention is split by heads (q/k/v column-parallel, output projection row-parallel) and
-the MLP by its hidden width (c_fc column-parallel, c_proj row-parallel), so each block
-costs one all-reduce in forward and one in backward. Embeddings, LayerNorms and the tied
-lm_head stay ordinary replicated parameters: they are small next to the blocks, and
-keeping the tied weight whole means wte and lm_head remain one Parameter.
+A plan maps module paths (`*` for a block index) to `colwise` or `rowwise`: the built-in
+models carry theirs (`GPT.tp_plan`, `Llama.tp_plan`: Megatron's split, attention by heads,
+the MLP by its width, one all-reduce per block in forward and one in backward), a Hugging Face
+model its config's `base_model_tp_plan`. Everything the plan does not name stays an ordinary
+replicated parameter (embeddings, norms, the output head), so a tied weight stays one
+Parameter. Attention that reshapes with ``-1`` heads then runs ``heads / tp`` of them per rank.
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from orchestrator.errors import PlanError
-
-# Block-relative names, matching orchestrator/workloads/gpt.py.
-BLOCK_PLAN_NAMES: dict[str, str] = {
-    "attn.q_proj": "colwise",
-    "attn.k_proj": "colwise",
-    "attn.v_proj": "colwise",
-    "attn.c_proj": "rowwise",
-    "mlp.c_fc": "colwise",
-    "mlp.c_proj": "rowwise",
-}
+from orchestrator.workloads.models import heads_of, tp_plan
 
 
-def _block_plan() -> dict[str, ColwiseParallel | RowwiseParallel]:
-    # Fresh style objects per block: parallelize_module keeps references to them in hooks.
-    return {
-        name: ColwiseParallel() if kind == "colwise" else RowwiseParallel()
-        for name, kind in BLOCK_PLAN_NAMES.items()
-    }
+def _style(kind: str) -> ColwiseParallel | RowwiseParallel:
+    # Fresh style objects per module: parallelize_module keeps references to them in hooks.
+    return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard every transformer block of `model` (a GPT with `.h` and `.cfg`) over `tp_mesh`.
-
-    The attention module reshapes with ``-1`` heads, so after this each rank runs
-    ``n_head / tp`` heads without any change to the model code.
-    """
+    """Shard the modules `model`'s plan names over `tp_mesh`; PlanError when it has no plan or
+    a sharded dimension does not divide by the degree."""
     tp = tp_mesh.size()
-    blocks = getattr(model, "h", None)
-    cfg = getattr(model, "cfg", None)
-    if not isinstance(blocks, nn.ModuleList) or cfg is None:
-        raise PlanError(
-            f"tensor parallelism (tp={tp}) needs the GPT workload (a model with .h blocks and .cfg); "
-            f"got {type(model).__name__}; use tp=1 for other models"
-        )
-    if cfg.n_head % tp:
-        raise PlanError(f"tp={tp} must divide model.n_head={cfg.n_head}: attention is split by whole heads")
-    if (4 * cfg.n_embd) % tp:
-        raise PlanError(f"tp={tp} must divide the MLP width 4*model.n_embd={4 * cfg.n_embd}")
-    for block in blocks:
-        parallelize_module(block, tp_mesh, _block_plan())
+    plan = tp_plan(model)
+    if plan is None:
+        raise PlanError(f"tensor parallelism (tp={tp}) needs a model that declares a tensor-parallel plan; "
+                        f"{type(model).__name__} declares none; use tp=1")
+    for what, n in zip(("attention heads", "key/value heads"), heads_of(model)):
+        if n is not None and n % tp:
+            raise PlanError(f"tp={tp} must divide the model's {n} {what}: attention is split by whole heads")
+    targets: dict[str, nn.Module] = {}
+    for name, mod in model.named_modules():
+        kind = next((k for pat, k in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if kind is None:
+            continue
+        if not isinstance(mod, nn.Linear):
+            raise PlanError(f"the tensor-parallel plan names {name}, a {type(mod).__name__}; only Linear layers "
+                            f"are split")
+        dim = mod.out_features if kind == "colwise" else mod.in_features
+        if dim % tp:
+            raise PlanError(f"tp={tp} must divide the {'output' if kind == 'colwise' else 'input'} width {dim} "
+                            f"of {name}: the plan splits it by whole heads or columns")
+        targets[name] = mod
+    if not targets:
+        raise PlanError(f"the tensor-parallel plan of {type(model).__name__} names no module of it")
+    parallelize_module(model, tp_mesh, {name: _style(plan_kind(plan, name)) for name in targets})
+
+
+def plan_kind(plan: dict[str, str], name: str) -> str:
+    return next(k for pat, k in plan.items() if fnmatch.fnmatchcase(name, pat))

@@ -8,20 +8,23 @@ is the mean over the whole global batch, the same number a single process would 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..choices import Precision
 from ..config import JobConfig
 from ..planning import Plan
 from ..planning.resolve import on_device
-from ..workloads.data import TextData, load_tokens
-from ..workloads.gpt import GPT, GPTConfig, param_groups
+from ..workloads.data import open_data
+from ..workloads.gpt import param_groups
+from ..workloads.models import build_model, logits_of
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .schedule import lr_at
 
@@ -44,7 +47,8 @@ class StepResult:
 class Trainer:
     """Model, data, optimizer and loop of one rank under a plan."""
 
-    def __init__(self, cfg: JobConfig, plan: Plan, device: torch.device) -> None:
+    def __init__(self, cfg: JobConfig, plan: Plan, device: torch.device,
+                 model_fn: Callable[..., Any] | None = None) -> None:
         self.cfg = cfg
         self.plan = plan
         self.device = device
@@ -54,7 +58,7 @@ class Trainer:
             raise RuntimeError(f"plan is for {plan.world_size} ranks but the process group has {self.world}")
         # What runs is the plan's own statement, unless this rank got another kind of device.
         self.execution = on_device(plan.execution, "gpu" if device.type == "cuda" else "cpu", cfg.train.precision,
-                                   plan.sync.compression, cfg.train.max_steps)
+                                   _requested_compression(cfg, plan), cfg.train.max_steps)
         self.accum = plan.sync.grad_accum_steps
         self.micro = plan.micro_batch_size
         self.mesh = build_mesh(plan.mesh, device.type)
@@ -70,9 +74,9 @@ class Trainer:
 
         torch.manual_seed(cfg.train.seed)  # same init on every rank, before any sharding
         m = cfg.model
-        # The workload keeps its own config type (it never imports ours); the fields are the same.
-        model = GPT(GPTConfig(**dataclasses.asdict(m)))
-        self.num_params = model.num_params()
+        # The job's factory (or the Python API's callable); the same seed gives every rank one init.
+        model = build_model(m, model_fn)
+        self.num_params = sum(p.numel() for p in model.parameters())
         model.to(device)
         t = cfg.train
         self.par: Parallelized = parallelize(
@@ -85,7 +89,8 @@ class Trainer:
             device,
             node_of_rank=plan.node_of_rank,
         )
-        self.data = TextData(load_tokens(cfg.data.path), m.block_size, cfg.data.val_fraction, t.seed)
+        d = cfg.data
+        self.data = open_data(d.path, d.val_path, d.val_fraction, m.block_size, t.seed, vocab_size=m.vocab_size)
         # fp16's narrow range needs loss scaling (bf16 does not); resolve admits fp16 with DDP
         # only, where every rank holds whole gradients and the scaler's inf check agrees.
         self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
@@ -109,6 +114,12 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    @staticmethod
+    def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy of the model's logits, in fp32 whatever autocast computed."""
+        logits = logits_of(model(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
     def _mark(self):
         """A point in time on the device's stream; on a GPU an event, so timing never stalls it."""
@@ -142,7 +153,7 @@ class Trainer:
             t0 = time.perf_counter()
             with self.par.no_sync():
                 with self._autocast():
-                    loss = model(x, y)
+                    loss = self._loss(model, x, y)
                 loss.backward()
             self._sync()
             times.append(time.perf_counter() - t0)
@@ -177,7 +188,7 @@ class Trainer:
             # inside no_sync because DDP decides at forward time whether backward will sync.
             with contextlib.nullcontext() if last else self.par.no_sync():
                 with self._autocast():
-                    loss = model(x[sl], y[sl]) / self.accum
+                    loss = self._loss(model, x[sl], y[sl]) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         opt_start = self._mark()
@@ -216,7 +227,7 @@ class Trainer:
             x, y = x.to(self.device), y.to(self.device)
             for j in range(0, len(x), self.micro):
                 with self._autocast():
-                    total += model(x[j:j + self.micro], y[j:j + self.micro]).float()
+                    total += self._loss(model, x[j:j + self.micro], y[j:j + self.micro]).float()
         return self._global_mean(total / (t.eval_iters * self.accum))
 
 
@@ -229,3 +240,10 @@ def init_process_group(rank: int, world: int, master_addr: str, master_port: int
         rank=rank,
         world_size=world,
     )
+
+
+def _requested_compression(cfg: JobConfig, plan: Plan):
+    """The compression to resolve again on another device kind: the config's own choice where it
+    made one (one dropped on the planned kind may run on this one), else the plan's."""
+    asked = cfg.parallel.compression
+    return plan.sync.compression if asked == "auto" else asked

@@ -17,6 +17,8 @@ import ray
 
 from ..planning import Plan
 from .metrics import TrainMetrics
+from .nccl_env import NcclSetup
+from .nccl_env import apply as apply_nccl
 
 
 def _free_port() -> int:
@@ -129,9 +131,10 @@ class Worker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
-              cpu_affinity: str | None = None) -> dict[str, Any]:
+              cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None) -> dict[str, Any]:
         """Join the process group, build the model under the plan, and load `resume_from` if given.
-        `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology."""
+        `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology;
+        `nccl` what NCCL should be told about this node (`nccl_env`)."""
         import torch
 
         from .trainer import Trainer, init_process_group
@@ -153,11 +156,18 @@ class Worker:
             backend = "nccl"
         else:
             if gpus:
-                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: running on CPU with gloo")
+                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: "
+                             "running on CPU with gloo")
             device = torch.device("cpu")
             backend = "gloo"
+        # Before the process group: NCCL reads its environment when the communicator starts.
+        nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
+        notes += nccl_notes
         init_process_group(self.rank, self.world, master[0], master[1], backend)
-        self.trainer = Trainer(cfg, plan, device)
+        from . import checkpoint
+
+        self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
+        self.trainer = Trainer(cfg, plan, device, model_fn)
         self.metrics = TrainMetrics(cfg.name, self.rank)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
@@ -168,7 +178,7 @@ class Worker:
             start = self.trainer.load_checkpoint(resume_from)
         return {"num_params": self.trainer.num_params, "notes": notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
-                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None,
+                "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
 
     def train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
@@ -183,8 +193,12 @@ class Worker:
             if self.rank == 0:
                 sink.put.remote({"kind": "eval", "step": 0, "val_loss": last_val})
         times: list[tuple[float, float]] = []  # this rank's own timings, for the straggler report
+        pending = None  # a checkpoint being written in the background, committed after the next step
         for step in range(start, end):
             res = tr.train_step(step)
+            if pending is not None:
+                self._committed(pending.commit(), pending.step, sink)
+                pending = None
             done = step + 1  # metrics count completed optimizer steps
             final = done == cfg.train.max_steps
             if done % cfg.train.eval_interval == 0 or final:
@@ -201,18 +215,24 @@ class Worker:
                 times = []
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
-                path = checkpoint.save(
-                    checkpoint_dir, done, tr.par.state_dict(),
-                    {"world_size": self.world, "strategy": str(tr.plan.strategy), "mesh": tr.plan.mesh.to_dict()},
-                    cfg.checkpoint.keep_last,
-                )
-                if self.rank == 0:
-                    sink.put.remote({"kind": "checkpoint", "step": done, "path": str(path)})
+                meta = {"world_size": self.world, "strategy": str(tr.plan.strategy), "mesh": tr.plan.mesh.to_dict()}
+                if self.writer_group is not None and not final:
+                    pending = checkpoint.save_async(checkpoint_dir, done, tr.par.state_dict(), meta,
+                                                    cfg.checkpoint.keep_last, self.writer_group)
+                else:  # the last one: nothing left to overlap it with
+                    path = checkpoint.save(checkpoint_dir, done, tr.par.state_dict(), meta, cfg.checkpoint.keep_last)
+                    self._committed(path, done, sink)
+        if pending is not None:  # end < max_steps: the run stops here, its last checkpoint still counts
+            self._committed(pending.commit(), pending.step, sink)
         if self.rank == 0:
             # Calls from one caller run in order: once this returns, the sink holds every item
             # above, so the driver's last drain after this method returns misses nothing.
             ray.get(sink.put.remote({"kind": "end"}))
         return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes()}
+
+    def _committed(self, path: str, step: int, sink) -> None:
+        if self.rank == 0:
+            sink.put.remote({"kind": "checkpoint", "step": step, "path": str(path)})
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -74,6 +74,7 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopol
         node = NodeTopology.from_dict(result)
         node.node_id = node_id
         node.hostname = node.hostname or n.get("NodeManagerHostname", "")
+        node.ray_gpus = int(n.get("Resources", {}).get("GPU", 0))
         nodes.append(node)
 
     if not nodes:

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ..errors import TopologyError
+from .fabric import complete_xml
 from .model import ClusterTopology, Network, NodeTopology
 from .nccl_xml import parse_nccl_xml
 from .network import network_from_nodes
@@ -63,7 +64,8 @@ def _json_nodes(text: str, where: str) -> tuple[list[NodeTopology], Network | No
             nodes, network = [NodeTopology.from_dict(data)], None
         else:
             keys = ", ".join(sorted(data)[:6]) or "none"
-            raise TopologyError(f"{where}: a topology JSON has key `nodes` (a cluster) or `devices` (a node); found {keys}")
+            raise TopologyError(
+                f"{where}: a topology JSON has key `nodes` (a cluster) or `devices` (a node); found {keys}")
     except TypeError as e:
         # dataclass constructors name the offending key: "unexpected keyword argument 'x'"
         raise TopologyError(f"{where}: {e}".replace("__init__() ", "")) from None
@@ -80,7 +82,7 @@ def _json_nodes(text: str, where: str) -> tuple[list[NodeTopology], Network | No
 def _parse_single(text: str, where: str, gpu_name: str | None) -> NodeTopology:
     kind = _sniff(text)
     if kind == "xml":
-        node = parse_nccl_xml(text, source=where)
+        node = complete_xml(parse_nccl_xml(text, source=where), text, gpu_name, where)
     elif kind == "smi":
         node = parse_topo_matrix(text, source=where, gpu_names=gpu_name)
     elif kind == "p2p-test":

@@ -9,6 +9,7 @@ with their PCIe distance to each GPU, and the NUMA nodes.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -22,6 +23,9 @@ from .smi import parse_topo_matrix
 from .sysfs import numa_nodes, pci_numa_node, pcie_path_kind, read_nics
 
 TOPOLOGY_FILE_ENV = "ORCHESTRATOR_TOPOLOGY_FILE"
+MISSING_NIC_WARNING = "names NIC(s) this node does not have"
+# NIC names that are placeholders, not device names: `NIC3` columns without a legend, PCI addresses.
+_PLACEHOLDER_NIC = re.compile(r"^(NIC\d+|[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])$")
 _SMI_TIMEOUT_S = 30
 
 
@@ -37,6 +41,11 @@ def probe_local(
         node = load_topology_file(declared)
         node.source = f"declared:{declared}"
         node.hostname = node.hostname or socket.gethostname()
+        missing = missing_nics(node, sysfs_root)
+        if missing:
+            node.warnings.append(f"{declared} {MISSING_NIC_WARNING}: {', '.join(missing)} (no entry in "
+                                 f"/sys/class/infiniband or /sys/class/net on {node.hostname}); the plan still "
+                                 "assigns them, but NCCL will not find them there")
         return node
 
     reasons: list[str] = []
@@ -60,6 +69,13 @@ def probe_local(
         d.measured_tflops = tflops
         d.memory_bytes = d.memory_bytes or share
     return node
+
+
+def missing_nics(node: NodeTopology, root: str | Path = "/") -> list[str]:
+    """The NICs a declared node names that this host has no device of (placeholders skipped)."""
+    base = Path(root)
+    return [n.name for n in node.nics if not _PLACEHOLDER_NIC.match(n.name)
+            and not any((base / "sys/class" / cls / n.name).exists() for cls in ("infiniband", "net"))]
 
 
 def cpu_slot_tflops(seconds: float = 0.2, n: int = 512) -> float | None:

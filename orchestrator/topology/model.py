@@ -130,6 +130,9 @@ class NodeTopology:
     """NUMA node ids present on the host."""
     warnings: list[str] = field(default_factory=list)
     """What the probe could not tell (a partial capture, an NVML call that failed, ...)."""
+    ray_gpus: int | None = None
+    """GPUs Ray offers on this node (its `GPU` resource: 0 on a head started with
+    `--num-gpus=0` on a GPU machine); None for a capture read from a file."""
 
     def __post_init__(self) -> None:
         self._index: dict[tuple[int, int], Link] = {}
@@ -180,6 +183,7 @@ class NodeTopology:
             "nvlink_domains": self.nvlink_domains,
             "numa_nodes": self.numa_nodes,
             "warnings": self.warnings,
+            "ray_gpus": self.ray_gpus,
         }
 
     @classmethod
@@ -199,6 +203,7 @@ class NodeTopology:
             nvlink_domains=[list(g) for g in d.get("nvlink_domains", [])],
             numa_nodes=list(d.get("numa_nodes", [])),
             warnings=list(d.get("warnings", [])),
+            ray_gpus=d.get("ray_gpus"),
         )
 
 
@@ -270,6 +275,13 @@ class ClusterTopology:
     @classmethod
     def from_json(cls, text: str) -> "ClusterTopology":
         return cls.from_dict(json.loads(text))
+
+
+def fabric_clique(node: NodeTopology) -> str | None:
+    """The multi-node NVLink fabric clique (`<cluster uuid>/<clique id>`) all of the node's
+    GPUs belong to; None when they have none or do not agree."""
+    cliques = {d.fabric_clique for d in node.devices if d.kind == "gpu"}
+    return cliques.pop() if len(cliques) == 1 and None not in cliques else None
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -112,7 +112,8 @@ def read_nccl_system(text: str, source: str = "nccl-xml") -> NcclSystem:
         what = re.sub(r":? line \d+, column \d+$", "", str(e))  # expat repeats the (0-based) position
         raise TopologyError(f"{source}: line {line}, column {col + 1}: not well-formed XML: {what}") from None
     if root.tag != "system":
-        raise TopologyError(f"{source}: line 1, column 1: the root element is <{root.tag}>; a NCCL topology file has <system>")
+        raise TopologyError(f"{source}: line 1, column 1: the root element is <{root.tag}>; "
+                            "a NCCL topology file has <system>")
     gpus: list[XmlGpu] = []
     nics: list[XmlNic] = []
     switches: list[str] = []
@@ -175,13 +176,15 @@ def read_nccl_system(text: str, source: str = "nccl-xml") -> NcclSystem:
     for cpu in cpus:
         numaid = _int(cpu.get("numaid"))
         if numaid is None:
-            raise TopologyError(f"{source}: a <cpu> element has numaid={cpu.get('numaid')!r}; it must be a NUMA node number")
+            raise TopologyError(f"{source}: a <cpu> element has numaid={cpu.get('numaid')!r}; "
+                                "it must be a NUMA node number")
         if numaid in numa:
             raise TopologyError(f"{source}: <cpu numaid=\"{numaid}\"> appears twice")
         numa[numaid] = _mask_to_cpulist(cpu.get("affinity"))
         walk(cpu, [cpu])
     if not cpus:
-        raise TopologyError(f"{source}: <system> holds no <cpu> element; NCCL topology files put devices under <cpu numaid=...>")
+        raise TopologyError(f"{source}: <system> holds no <cpu> element; "
+                            "NCCL topology files put devices under <cpu numaid=...>")
     if unclassified:
         warnings.append(
             f"{source}: {len(unclassified)} PCI device(s) without a class ({', '.join(unclassified)}): "
@@ -263,7 +266,8 @@ def parse_nccl_xml(text: str, source: str = "nccl-xml") -> NodeTopology:
         nv_gen = _SM_TO_NVLINK_GEN.get((ga.sm or 0) // 10)
         if direct:
             bw, lat = estimate("nvlink", nvlinks=direct, nvlink_gen=nv_gen)
-            links.append(Link(a=a, b=b, kind="nvlink", nvlinks=direct, nvlink_gen=nv_gen, bandwidth_gbps=bw, latency_us=lat))
+            links.append(Link(a=a, b=b, kind="nvlink", nvlinks=direct, nvlink_gen=nv_gen, bandwidth_gbps=bw,
+                              latency_us=lat))
         elif min(to_switch) > 0:
             lanes = min(to_switch)
             bw, lat = estimate("nvlink", nvlinks=lanes, nvlink_gen=nv_gen)

@@ -80,7 +80,8 @@ def parse_nvlink_status(text: str, source: str = "nvidia-smi nvlink -s") -> dict
             )
         current.rates_gbps[lane] = float(r.group(1))
     if not out:
-        raise TopologyError(f"{source}: line 1, column 1: no `GPU <n>: <name>` line; expected `nvidia-smi nvlink -s` output")
+        raise TopologyError(f"{source}: line 1, column 1: no `GPU <n>: <name>` line; "
+                            "expected `nvidia-smi nvlink -s` output")
     return out
 
 
@@ -115,7 +116,8 @@ def refine_nvlink_bandwidth(node: NodeTopology, status: dict[int, GpuNvlinkStatu
         lanes = min([l.nvlinks] + [e.active_lanes for e in ends])
         if not rates or lanes == 0:
             node.warnings.append(
-                f"GPU {l.a}-GPU {l.b}: the matrix shows NV{l.nvlinks} but an end has no active lane; kept the matrix figure"
+                f"GPU {l.a}-GPU {l.b}: the matrix shows NV{l.nvlinks} but an end has no active lane; "
+                "kept the matrix figure"
             )
             continue
         name = names.get(l.a) or ends[0].name

@@ -231,14 +231,18 @@ def _svg_node(node: NodeTopology, title: str, y0: float, width: float) -> tuple[
             parts.append(f'<circle cx="{_fmt(cx)}" cy="{_fmt(cy)}" r="{_fmt((r_in + r_out) / 2)}" fill="none" '
                          f'stroke="{_NUMA_FILL[k]}" stroke-width="{_fmt(r_out - r_in)}"/>')
             for r in (r_in, r_out):
-                parts.append(f'<circle cx="{_fmt(cx)}" cy="{_fmt(cy)}" r="{_fmt(r)}" fill="none" stroke="{_NUMA_EDGE[k]}"/>')
+                parts.append(f'<circle cx="{_fmt(cx)}" cy="{_fmt(cy)}" r="{_fmt(r)}" fill="none" '
+                             f'stroke="{_NUMA_EDGE[k]}"/>')
             continue
         a0 = angle[members[0]] - step / 2 + 0.02
         a1 = a0 + step * len(members) - 0.04
         large = 1 if a1 - a0 > math.pi else 0
-        pts = [(cx + r * math.cos(a), cy + r * math.sin(a)) for r, a in ((r_out, a0), (r_out, a1), (r_in, a1), (r_in, a0))]
-        d = (f"M{_fmt(pts[0][0])},{_fmt(pts[0][1])} A{_fmt(r_out)},{_fmt(r_out)} 0 {large} 1 {_fmt(pts[1][0])},{_fmt(pts[1][1])} "
-             f"L{_fmt(pts[2][0])},{_fmt(pts[2][1])} A{_fmt(r_in)},{_fmt(r_in)} 0 {large} 0 {_fmt(pts[3][0])},{_fmt(pts[3][1])} Z")
+        corners = ((r_out, a0), (r_out, a1), (r_in, a1), (r_in, a0))
+        pts = [(cx + r * math.cos(a), cy + r * math.sin(a)) for r, a in corners]
+        d = (f"M{_fmt(pts[0][0])},{_fmt(pts[0][1])} "
+             f"A{_fmt(r_out)},{_fmt(r_out)} 0 {large} 1 {_fmt(pts[1][0])},{_fmt(pts[1][1])} "
+             f"L{_fmt(pts[2][0])},{_fmt(pts[2][1])} "
+             f"A{_fmt(r_in)},{_fmt(r_in)} 0 {large} 0 {_fmt(pts[3][0])},{_fmt(pts[3][1])} Z")
         parts.append(f'<path d="{d}" fill="{_NUMA_FILL[k]}" stroke="{_NUMA_EDGE[k]}" stroke-width="1"/>')
 
     # Widths scale to the node's fastest link but never below a Gen5 x16 slot, so a PCIe-only
@@ -257,7 +261,8 @@ def _svg_node(node: NodeTopology, title: str, y0: float, width: float) -> tuple[
         colour = "#d62728" if l.degraded else _COLOUR.get(l.kind, "#444")
         parts.append(
             f'<path d="M{_fmt(x1)},{_fmt(y1)} Q{_fmt(qx)},{_fmt(qy)} {_fmt(x2)},{_fmt(y2)}" fill="none" '
-            f'stroke="{colour}" stroke-width="{_fmt(_stroke(l.bandwidth_gbps, top))}" stroke-opacity="{_OPACITY.get(l.kind, 0.8)}"{dash}>'
+            f'stroke="{colour}" stroke-width="{_fmt(_stroke(l.bandwidth_gbps, top))}" '
+            f'stroke-opacity="{_OPACITY.get(l.kind, 0.8)}"{dash}>'
             f"<title>{escape(f'{l.a}-{l.b}: {_cell(l)} GB/s, {l.latency_us:g} us')}</title></path>"
         )
     for k, dom in enumerate(hubs):
@@ -265,7 +270,8 @@ def _svg_node(node: NodeTopology, title: str, y0: float, width: float) -> tuple[
         sample = node.link(dom[0], dom[1])
         for i in dom:
             x, y = pos[i]
-            parts.append(f'<line x1="{_fmt(x)}" y1="{_fmt(y)}" x2="{_fmt(hx)}" y2="{_fmt(hy)}" stroke="{_COLOUR["nvlink"]}" '
+            parts.append(f'<line x1="{_fmt(x)}" y1="{_fmt(y)}" x2="{_fmt(hx)}" y2="{_fmt(hy)}" '
+                         f'stroke="{_COLOUR["nvlink"]}" '
                          f'stroke-width="{_fmt(_stroke(sample.bandwidth_gbps, top))}" stroke-opacity="0.85"/>')
         parts.append(f'<rect x="{_fmt(hx - 78)}" y="{_fmt(hy - 26)}" width="156" height="52" rx="8" class="hub"/>')
         parts.append(f'<text x="{_fmt(hx)}" y="{_fmt(hy - 5)}" text-anchor="middle" class="hubname">NVSwitch</text>')
@@ -278,11 +284,15 @@ def _svg_node(node: NodeTopology, title: str, y0: float, width: float) -> tuple[
         label = f"{'GPU' if d.kind == 'gpu' else 'CPU'} {d.index}"
         sub = _short_name(d.name) or (f"NUMA {d.numa_node}" if d.numa_node is not None else "")
         parts.append(f'<g><title>{escape(_device_tip(d))}</title>'
-                     f'<rect x="{_fmt(x - box_w / 2)}" y="{_fmt(y - box_h / 2)}" width="{_fmt(box_w)}" height="{_fmt(box_h)}" '
+                     f'<rect x="{_fmt(x - box_w / 2)}" y="{_fmt(y - box_h / 2)}" '
+                     f'width="{_fmt(box_w)}" height="{_fmt(box_h)}" '
                      f'rx="7" class="dev" style="stroke:{edge}"/>'
-                     f'<rect x="{_fmt(x - box_w / 2)}" y="{_fmt(y - box_h / 2)}" width="{_fmt(box_w)}" height="6" rx="3" fill="{edge}"/>'
-                     f'<text x="{_fmt(x)}" y="{_fmt(y + 3)}" text-anchor="middle" class="devname">{escape(label)}</text>'
-                     f'<text x="{_fmt(x)}" y="{_fmt(y + 18)}" text-anchor="middle" class="devsub">{escape(sub)}</text></g>')
+                     f'<rect x="{_fmt(x - box_w / 2)}" y="{_fmt(y - box_h / 2)}" '
+                     f'width="{_fmt(box_w)}" height="6" rx="3" fill="{edge}"/>'
+                     f'<text x="{_fmt(x)}" y="{_fmt(y + 3)}" text-anchor="middle" '
+                     f'class="devname">{escape(label)}</text>'
+                     f'<text x="{_fmt(x)}" y="{_fmt(y + 18)}" text-anchor="middle" '
+                     f'class="devsub">{escape(sub)}</text></g>')
 
     # NICs sit outside the ring beside the GPU they reach best; several at one GPU fan out.
     # NICs that reach every GPU across the sockets line up under the ring.
@@ -332,12 +342,14 @@ def _nic_box(nics: list, x: float, y: float) -> str:
     for nic in nics:
         kind, near = _nearest_path(nic.gpu_paths)
         speed = f" {nic.speed_gbps:g} Gb/s" if nic.speed_gbps else ""
-        tips.append(f"{nic.name} ({nic.kind}{speed}): " + (f"{kind.upper()} to GPU {_ranges(near)}" if near else "no GPU path"))
+        path = f"{kind.upper()} to GPU {_ranges(near)}" if near else "no GPU path"
+        tips.append(f"{nic.name} ({nic.kind}{speed}): " + path)
     speeds = {nic.speed_gbps for nic in nics}
     speed = f" {speeds.pop():g}G" if len(speeds) == 1 and None not in speeds else ""
     label = _clip(nics[0].name + speed, 18) if len(nics) == 1 else f"{len(nics)} × {nics[0].kind.upper()}{speed}"
     w = 14 + 6.2 * len(label)
-    return (f'<g><title>{escape(chr(10).join(tips))}</title><rect x="{_fmt(x - w / 2)}" y="{_fmt(y - 11)}" width="{_fmt(w)}" '
+    return (f'<g><title>{escape(chr(10).join(tips))}</title>'
+            f'<rect x="{_fmt(x - w / 2)}" y="{_fmt(y - 11)}" width="{_fmt(w)}" '
             f'height="22" rx="11" class="nic"/><text x="{_fmt(x)}" y="{_fmt(y + 4)}" text-anchor="middle" '
             f'class="nicname">{escape(label)}</text></g>')
 
@@ -352,10 +364,11 @@ def _legend(node: NodeTopology, x: float, y: float, top: float, shade: dict[int,
         sw = _stroke(widest, top) if widest else 1.6
         dash = f' stroke-dasharray="{_DASH[kind]}"' if kind in _DASH else ""
         y += 24
-        out.append(f'<line x1="{_fmt(x)}" y1="{_fmt(y)}" x2="{_fmt(x + 40)}" y2="{_fmt(y)}" stroke="{_COLOUR.get(kind, "#444")}" '
-                   f'stroke-width="{_fmt(sw)}"{dash}/>')
+        out.append(f'<line x1="{_fmt(x)}" y1="{_fmt(y)}" x2="{_fmt(x + 40)}" y2="{_fmt(y)}" '
+                   f'stroke="{_COLOUR.get(kind, "#444")}" stroke-width="{_fmt(sw)}"{dash}/>')
         figure = f" · up to {widest:g} GB/s" if widest else ""
-        out.append(f'<text x="{_fmt(x + 50)}" y="{_fmt(y + 4)}" class="legend">{escape(_KIND_LABEL.get(kind, kind) + figure)}</text>')
+        text = escape(_KIND_LABEL.get(kind, kind) + figure)
+        out.append(f'<text x="{_fmt(x + 50)}" y="{_fmt(y + 4)}" class="legend">{text}</text>')
     y += 30
     out.append(f'<text x="{_fmt(x)}" y="{_fmt(y)}" class="legendnote">width grows with GB/s per direction</text>')
     if node.nics:
@@ -366,7 +379,8 @@ def _legend(node: NodeTopology, x: float, y: float, top: float, shade: dict[int,
         members = [d for d in node.devices if d.numa_node == m]
         cpus = next((d.cpu_affinity for d in members if d.cpu_affinity), None)
         y += 26
-        out.append(f'<rect x="{_fmt(x)}" y="{_fmt(y - 11)}" width="40" height="18" fill="{_NUMA_FILL[k]}" stroke="{_NUMA_EDGE[k]}"/>')
+        out.append(f'<rect x="{_fmt(x)}" y="{_fmt(y - 11)}" width="40" height="18" '
+                   f'fill="{_NUMA_FILL[k]}" stroke="{_NUMA_EDGE[k]}"/>')
         text = f"NUMA {m}: devices {_ranges([d.index for d in members])}" + (f", CPUs {cpus}" if cpus else "")
         out.append(f'<text x="{_fmt(x + 50)}" y="{_fmt(y + 3)}" class="legend">{escape(text)}</text>')
     return out
@@ -385,7 +399,8 @@ def _clip(s: str, n: int) -> str:
 
 def _device_tip(d) -> str:
     bits = [f"{d.kind.upper()} {d.index}", d.name, d.pci_bus_id or "",
-            f"NUMA {d.numa_node}" if d.numa_node is not None else "", f"CPUs {d.cpu_affinity}" if d.cpu_affinity else ""]
+            f"NUMA {d.numa_node}" if d.numa_node is not None else "",
+            f"CPUs {d.cpu_affinity}" if d.cpu_affinity else ""]
     return " · ".join(b for b in bits if b)
 
 

@@ -81,11 +81,13 @@ def _find_header(lines: list[str], source: str) -> tuple[int, list[str], list[st
         columns = cols_part.split()
         for c in columns:
             if c in columns[: columns.index(c)]:
-                raise TopologyError(f"{_where(source, i + 1, line.index(c) + 1)}: column {c} appears twice in the header")
+                where = _where(source, i + 1, line.index(c) + 1)
+                raise TopologyError(f"{where}: column {c} appears twice in the header")
         return i, columns, trailing
     first = next(((i, l) for i, l in enumerate(lines) if l.strip()), None)
     if first is None:
-        raise TopologyError(f"{source}: line 1, column 1: the capture is empty; expected the output of `nvidia-smi topo -m`")
+        raise TopologyError(f"{source}: line 1, column 1: the capture is empty; "
+                            "expected the output of `nvidia-smi topo -m`")
     i, l = first
     col = len(l) - len(l.lstrip()) + 1
     shown = l.strip()[:40]
@@ -146,7 +148,8 @@ def make_link(a: int, b: int, kind: str, nvlinks: int = 0, name: str = "", via_s
                 bandwidth_gbps=bw, latency_us=lat, via_switch=via_switch)
 
 
-def parse_topo_matrix(text: str, source: str = "nvidia-smi", gpu_names: dict[int, str] | str | None = None) -> NodeTopology:
+def parse_topo_matrix(text: str, source: str = "nvidia-smi",
+                      gpu_names: dict[int, str] | str | None = None) -> NodeTopology:
     """Parse `nvidia-smi topo -m` output.
 
     `gpu_names` (one name for all GPUs, or index -> name) supplies what the matrix does not

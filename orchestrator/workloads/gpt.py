@@ -79,6 +79,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # Megatron's split of every block, as parallelize_module styles by module path: attention
+    # by heads (q/k/v column-parallel, output row-parallel), the MLP by its width. Embeddings,
+    # LayerNorms and the tied lm_head stay replicated so wte and lm_head remain one Parameter.
+    tp_plan: dict[str, str] = {
+        "h.*.attn.q_proj": "colwise",
+        "h.*.attn.k_proj": "colwise",
+        "h.*.attn.v_proj": "colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    }
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -120,6 +132,11 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build(**kwargs) -> GPT:
+    """The built-in GPT as a model factory (`model.factory` default): GPTConfig's fields as keywords."""
+    return GPT(GPTConfig(**kwargs))
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -1,0 +1,65 @@
+"""What the planner knows of a model it did not design: a typed summary, measured elsewhere.
+
+`orchestrator.workloads.inspect` builds the model on the meta device and measures these
+figures (exact parameters, the repeated block, FLOPs with FlopCounterMode, the bytes autograd
+saves per block); the planner only reads them, so it stays pure and never imports torch.
+The built-in GPT needs no measurement: its `ModelShape` formulas give the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the cost and memory models see it."""
+
+    name: str
+    """The factory (`module:callable`) or the Hugging Face architecture it was built from."""
+    params: int
+    """Distinct parameters (a tensor shared by two modules counted once)."""
+    blocks: int
+    """Repeated blocks: the unit of FSDP wrapping, activation checkpointing and pipeline stages."""
+    block_class: str
+    """Class name of the repeated block."""
+    block_params: int
+    """Parameters of one block."""
+    root_params: int
+    """Parameters outside the blocks (embeddings, final norm, output head)."""
+    hidden: int
+    """Width of the residual stream (the block's input and output features)."""
+    heads: int
+    """Attention heads per block (1 where the model has none)."""
+    kv_heads: int
+    """Key/value heads per block (grouped-query attention keeps fewer than `heads`)."""
+    vocab: int
+    """Logit width of the output."""
+    seq: int
+    """Sequence length every sample is cut to (`model.block_size`)."""
+    forward_flops_per_token: float
+    """Forward FLOPs per token of the whole model at `seq` (FlopCounterMode: 2 per multiply-add)."""
+    block_forward_flops_per_token: float
+    """Forward FLOPs per token of one block at `seq`."""
+    block_activation_bytes: float
+    """Bytes one block keeps for backward per sequence of `seq` tokens, in 16-bit values."""
+    tp_sharded_params: int
+    """Parameters the model's tensor-parallel plan shards (0 without a plan)."""
+    tp_plan: bool
+    """Whether the model declares a tensor-parallel plan; without one the planner keeps tp=1."""
+    tied_embeddings: bool
+    """Whether the input embedding and the output head share one tensor."""
+
+    def __post_init__(self) -> None:
+        for name in ("params", "blocks", "hidden", "heads", "kv_heads", "vocab", "seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model spec {name} must be >= 1, got {getattr(self, name)}")
+        if self.blocks * self.block_params + self.root_params != self.params:
+            raise ValueError(f"model spec: {self.blocks} blocks x {self.block_params} + {self.root_params} root "
+                             f"parameters != {self.params} parameters")
+        if self.tp_sharded_params > self.params:
+            raise ValueError("model spec: tensor parallelism cannot shard more parameters than the model has")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,146 @@
+"""SIGTERM stops a real run cleanly (exit 143, summary marked stopped, checkpoints kept, no Ray
+stack dump, workers gone), and workers' output goes to logs/rank-N.log with only each distinct
+warning once on the console, never raw between the progress lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from orchestrator.rundir import RunDir
+from orchestrator.runtime.worker_logs import WorkerLogs, classify
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = [
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "train.warmup_steps=2", "train.eval_iters=2", "train.eval_interval=1000",
+    "monitor.progress=false", "monitor.dashboard=false",
+]
+DTENSOR = ("[rank0]:W1203 11:50:06.634000 17460 torch/distributed/tensor/_redistribute.py:390] While redistributing "
+           "from (Replicate(), _NormPartial(2.0)) to (Replicate(), Replicate()), 2 sequential all_reduce operations")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for every purpose but the parent's wait.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.ray
+def test_sigterm_mid_run_and_worker_warnings(tmp_path):
+    # global_batch_size=3 on 2 workers: tensor parallelism, whose grad-norm all-reduce makes every
+    # rank print DTensor's "While redistributing ..." warning on every step.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", *TINY, "train.global_batch_size=3",
+         "train.max_steps=500", "checkpoint.interval=1", f"monitor.runs_dir={tmp_path}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    t_start = time.monotonic()
+    try:
+        deadline = time.monotonic() + 240
+        while not list(tmp_path.glob("llm-*/checkpoints/step_00000002/meta.json")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.5)
+        (run_dir,) = tmp_path.glob("llm-*")
+        pids = [r["pid"] for r in json.loads((run_dir / "placement.json").read_text())]
+        t_signal = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+        print(f"reached a checkpoint in {t_signal - t_start:.1f} s, stopped in {time.monotonic() - t_signal:.1f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == "stopped (SIGTERM)"
+    assert "SIGTERM received" not in err and "Traceback" not in err and "***" not in err, err[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] is True and summary["signal"] == "SIGTERM"
+    assert 2 <= summary["steps"] < 500
+    assert str(run_dir / "checkpoints" / "step_00000002") in summary["checkpoints"]
+    from orchestrator.runtime import checkpoint
+
+    for path in summary["checkpoints"]:
+        checkpoint.verify(path)  # every checkpoint it names is whole
+    assert "stopped by SIGTERM at step" in out and f"--resume {run_dir}" in out
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in pids), "worker processes outlived the driver"
+
+    # The warning: once on the console, with the rank and its log file; every rank's copy in its log.
+    shown = [l for l in out.splitlines() if "While redistributing" in l]
+    assert len(shown) == 1, out
+    assert shown[0].startswith("warning from rank ") and "logs/rank-" in shown[0]
+    assert "(Worker pid=" not in out + err and "[rank0]:W" not in out + err
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert log.count("While redistributing") == 1  # torch warns once per process
+
+
+def _batch(pid, *lines, is_err=True):
+    return {"ip": "10.0.0.1", "pid": pid, "lines": list(lines), "is_err": is_err, "actor_name": "Worker"}
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_worker_output_goes_to_rank_logs_and_the_console_shows_what_matters(tmp_path, verbose):
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    run = RunDir.create(tmp_path, "job")
+    run.write_json("placement.json", [{"rank": 0, "pid": 111, "ip": "10.0.0.1"},
+                                      {"rank": 1, "pid": 222, "ip": "10.0.0.1"}])
+    buf = io.StringIO()
+    with WorkerLogs(run, Console(file=buf, width=400), verbose=verbose):
+        dispatcher.emit(_batch(111, DTENSOR, DTENSOR.replace("11:50:06", "11:50:07")))
+        dispatcher.emit(_batch(222, DTENSOR.replace("[rank0]", "[rank1]"), "step took 3 ms", is_err=False))
+        dispatcher.emit(_batch(222, "/x/data.py:12: UserWarning: the sampler wraps around"))
+        dispatcher.emit(_batch(222, "Traceback (most recent call last):", '  File "t.py", line 3, in step',
+                               "ValueError: loss is nan at step 17"))
+        dispatcher.emit(_batch(333, "a task's own line"))
+    assert not any(name == "orchestrator_worker_logs" for name, _ in dispatcher.handlers)
+    console = buf.getvalue()
+    rank0 = (run.path / "logs" / "rank-0.log").read_text().splitlines()
+    rank1 = (run.path / "logs" / "rank-1.log").read_text().splitlines()
+    assert rank0 == [DTENSOR, DTENSOR.replace("11:50:06", "11:50:07")]
+    assert rank1[1] == "step took 3 ms" and rank1[-1] == "ValueError: loss is nan at step 17" and len(rank1) == 6
+    assert "a task's own line" in (run.path / "logs" / "ray.log").read_text()
+    if verbose:
+        assert console.count("While redistributing") == 3 and "step took 3 ms" in console
+        return
+    assert console.count("While redistributing") == 1
+    assert f"warning from rank 0 (first occurrence; see {run.path / 'logs' / 'rank-0.log'}): While redistributing" \
+        in console
+    assert "warning from rank 1" in console and "UserWarning: the sampler wraps around" in console
+    assert f"error from rank 1 (see {run.path / 'logs' / 'rank-1.log'}): ValueError: loss is nan at step 17" in console
+    assert "step took 3 ms" not in console and "Traceback" not in console and "a task's own line" not in console
+
+
+@pytest.mark.parametrize("line, expected", [
+    (DTENSOR, "warning"),
+    ("[rank1]:E1203 11:50:06.634000 17460 x.cc:12] NCCL watchdog timeout", "error"),
+    ("[rank1]:I1203 11:50:06.634000 17460 x.cc:12] init done", None),
+    ("/a/b.py:3: FutureWarning: `x` is deprecated", "warning"),
+    ("torch.OutOfMemoryError: CUDA out of memory", "error"),
+    ("WARNING:root:slow data loader", "warning"),
+    ("step 10 loss 2.3", None),
+    ("During handling of the above exception, another exception occurred:", None),
+])
+def test_classify(line, expected):
+    found = classify(line)
+    assert (found[0] if found else None) == expected

@@ -1,0 +1,98 @@
+"""The shaped network: links limited as asked, nothing on the host's own network, and
+nothing left behind after an exit or a crash. Runs as root in seconds; elsewhere it is
+skipped with the reason namespaces cannot be made."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.testbed.network import (
+    NetworkSpec,
+    ShapedNetworkError,
+    Shaping,
+    available,
+    create,
+    namespaces,
+    pids_in,
+    remove,
+    tcp_link,
+)
+
+# Its own prefix and addresses: a benchmark's `orch-` cluster may run at the same time.
+SPEC = NetworkSpec(prefix="orchci-", subnet="198.18.200.0/24")
+ROOT = Path(__file__).resolve().parent.parent
+
+why = available()
+needs_netns = pytest.mark.skipif(why is not None, reason=f"no shaped network here: {why}")
+
+
+@pytest.fixture
+def clean():
+    remove(SPEC.prefix)
+    yield
+    remove(SPEC.prefix)
+
+
+def _host_links() -> str:
+    return subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+
+
+@needs_netns
+@pytest.mark.parametrize("gbit", [0.2, 0.5])
+def test_a_shaped_link_carries_its_rate(clean, gbit):
+    addrs, _ = create(SPEC, 2, Shaping(gbit, 0.0))
+    assert addrs == ["198.18.200.1", "198.18.200.2"]
+    _, measured = tcp_link(SPEC, 0, 1, seconds=1.0)
+    assert measured == pytest.approx(gbit, rel=0.25)
+
+
+@needs_netns
+def test_the_host_network_is_untouched_and_teardown_leaves_nothing(clean):
+    before = _host_links()
+    create(SPEC, 2, Shaping(1.0, 0.0))
+    assert sorted(namespaces(SPEC.prefix)) == ["orchci-br", "orchci-n0", "orchci-n1"]
+    # every address and veth end lives inside the namespaces; the host sees none of them
+    assert _host_links() == before and "198.18." not in before
+    removed = remove(SPEC.prefix)
+    assert len(removed) == 3 and namespaces(SPEC.prefix) == []
+
+
+@needs_netns
+def test_a_crashed_owner_leaves_namespaces_that_the_next_start_removes(clean):
+    code = (f"import sys, subprocess; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from orchestrator.testbed.network import NetworkSpec, Shaping, create\n"
+            f"spec = NetworkSpec(prefix={SPEC.prefix!r}, subnet={SPEC.subnet!r})\n"
+            "create(spec, 2, Shaping(1.0, 0.0))\n"
+            "subprocess.Popen(['ip', 'netns', 'exec', spec.node_ns(1), 'sleep', '600'])\n"
+            "print('up', flush=True); subprocess.run(['sleep', '600'])\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout.readline().strip() == "up"
+    owner.send_signal(signal.SIGKILL)  # no atexit, no handler: a crash
+    owner.wait()
+    deadline = time.monotonic() + 5
+    while not pids_in(SPEC.node_ns(1)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stale = pids_in(SPEC.node_ns(1))
+    assert stale, "the crashed owner's process should still run inside its namespace"
+    create(SPEC, 1, Shaping(1.0, 0.0))
+    assert sorted(namespaces(SPEC.prefix)) == ["orchci-br", "orchci-n0"]
+    time.sleep(0.2)
+    for pid in stale:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_values_outside_what_is_allowed_are_refused_by_name():
+    with pytest.raises(ShapedNetworkError, match="rate -1"):
+        Shaping(-1, 1)
+    with pytest.raises(ShapedNetworkError, match="delay 5000"):
+        Shaping(1, 5000)
+    with pytest.raises(ShapedNetworkError, match="inside 198.18.0.0/15"):
+        NetworkSpec(subnet="10.0.0.0/24")
+    with pytest.raises(ShapedNetworkError, match="prefix"):
+        NetworkSpec(prefix="orch_ws;rm")
