@@ -85,10 +85,12 @@ def _prepare(root: str, step: int) -> tuple[Any, str, str, str]:
     return fs, base, target, final
 
 
-def _commit(fs, base: str, target: str, final: str, step: int, meta: dict[str, Any], keep_last: int) -> str:
-    """Every rank's shards are written: gather the manifests, write meta.json last, rename."""
+def _commit(fs, base: str, target: str, final: str, step: int, meta: dict[str, Any], keep_last: int,
+            mine: dict[str, dict[str, Any]] | None = None) -> str:
+    """Every rank's shards are written: gather the manifests (`mine`: this rank's, when already
+    made), write meta.json last, rename."""
     parts: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, _manifest(fs, target, dist.get_rank()))
+    dist.all_gather_object(parts, mine if mine is not None else _manifest(fs, target, dist.get_rank()))
     if dist.get_rank() == 0:
         files = {name: rec for part in parts for name, rec in (part or {}).items()}
         record = {"step": step, **meta, "files": dict(sorted(files.items()))}
@@ -124,15 +126,16 @@ class PendingSave:
 
     step: int
     upload: Future
+    """This rank's write; then its manifest (the files' sizes and hashes), also made in the background."""
     where: tuple[Any, str, str, str]
     meta: dict[str, Any]
     keep_last: int
 
     def commit(self) -> str:
-        self.upload.result()  # this rank's shards (and, on rank 0, DCP's metadata) are written
+        mine = self.upload.result()  # this rank's shards (and, on rank 0, DCP's metadata) are written
         fs, base, target, final = self.where
         dist.barrier()  # every rank's background write has finished
-        return _commit(fs, base, target, final, self.step, self.meta, self.keep_last)
+        return _commit(fs, base, target, final, self.step, self.meta, self.keep_last, mine)
 
 
 def save_async(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int,
@@ -142,8 +145,20 @@ def save_async(root: str, step: int, state: dict[str, Any], meta: dict[str, Any]
     where = _prepare(root, step)
     fs, _, target, _ = where
     res = dcp.async_save(state, checkpoint_id=_url(fs, target), process_group=group)
-    upload = res.upload_completion if isinstance(res, AsyncSaveResponse) else res
-    return PendingSave(step, upload, where, meta, keep_last)
+    written = res.upload_completion if isinstance(res, AsyncSaveResponse) else res
+    rank = dist.get_rank()
+    # Hashing this rank's shards is as long as reading them: done by the writer's side too.
+    done: Future = Future()
+
+    def hashed(f: Future) -> None:
+        try:
+            f.result()
+            done.set_result(_manifest(fs, target, rank))
+        except BaseException as e:  # noqa: BLE001 - handed to commit(), which raises it
+            done.set_exception(e)
+
+    written.add_done_callback(hashed)
+    return PendingSave(step, done, where, meta, keep_last)
 
 
 def _prune(fs, base: str, keep_last: int) -> None:
