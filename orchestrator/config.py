@@ -177,6 +177,11 @@ class CheckpointConfig:
     """Directory (or fsspec URI) for checkpoints; None uses `<run dir>/checkpoints`."""
     keep_last: int = 2
     """How many whole checkpoints to keep."""
+    async_save: bool = True
+    """Write interval checkpoints in the background (`dcp.async_save`): training waits only
+    while the state is copied to CPU memory, and the checkpoint is committed after the next
+    step; the final checkpoint is always written before the run returns. False: every rank
+    waits for each checkpoint to be written."""
     export: bool = False
     """At the end of the run, also write the final weights as safetensors to `<run dir>/export`
     (as the `export` command does; needs the `hf` extra)."""
@@ -204,6 +209,12 @@ class ElasticConfig:
     """Fewest devices to continue with; below it the run fails instead of re-planning."""
     max_workers: int = 0
     """Most devices to use; 0 means all the cluster has."""
+    hang_factor: float = 20.0
+    """A rank hangs when no step finishes within hang_factor x the plan's predicted step time
+    (but never sooner than hang_floor_s): every rank's stack is saved and the group restarts."""
+    hang_floor_s: float = 300.0
+    """Shortest wait for a step before the run counts as hung, seconds: covers the first step's
+    warm-up, evaluation and checkpoint writes, which report no step while they run."""
 
 
 @dataclass

@@ -192,3 +192,27 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
     assert s["ratios"]["throughput_ours_over_torchrun"] == pytest.approx(0.97)
     assert s["ratios"]["first_step_ours_over_ray_train"] == pytest.approx(0.5)
     assert s["goals"]["throughput_vs_torchrun"]["met"] and s["goals"]["first_step_vs_ray_train"]["met"]
+
+
+def test_checkpoint_cost_measures_both_modes_on_every_checkpoint(tmp_path):
+    import socket
+
+    import checkpoint_cost
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        res = checkpoint_cost.measure(0.1, 10, 5, tmp_path)
+    finally:
+        dist.destroy_process_group()
+    for mode in ("sync", "async"):
+        assert res[mode]["checkpoints"] == 2
+        assert res[mode]["checkpoint_step_s"] > 0 and res[mode]["plain_step_s"] > 0
+    # both modes left whole, committed checkpoints of the last step
+    from orchestrator.runtime import checkpoint
+
+    for mode in ("sync", "async"):
+        assert checkpoint.verify(checkpoint.committed(str(tmp_path / mode))[-1])["step"] == 10

@@ -53,3 +53,50 @@ def test_uncommitted_or_damaged_uri_checkpoint_is_not_taken(one_rank):
     fs.pipe(shard, fs.cat(shard)[:-4])  # truncated by a full disk
     with pytest.raises(CheckpointError, match="bytes, expected"):
         checkpoint.verify(f"{root}/step_00000001")
+
+
+def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank, tmp_path):
+    from rich.console import Console
+
+    from orchestrator.runtime.driver import latest_whole_checkpoint
+
+    root = str(tmp_path)
+    group = checkpoint.writer_group()
+    checkpoint.save(root, 2, {"w": torch.full((64,), 2.0)}, {"world_size": 1}, keep_last=3)
+    w = torch.full((64,), 4.0)
+    pending = checkpoint.save_async(root, 4, {"w": w}, {"world_size": 1}, keep_last=3, group=group)
+    w.add_(100.0)  # training goes on while the write runs: the checkpoint holds the staged values
+    pending.upload.result()
+    # killed between staging and commit: the shards are all on disk, meta.json is not
+    assert [c.rsplit("/", 1)[-1] for c in checkpoint.committed(root)] == ["step_00000002"]
+    assert latest_whole_checkpoint(root, Console(quiet=True))[1] == 2
+    state = {"w": torch.zeros(64)}
+    checkpoint.load(latest_whole_checkpoint(root, Console(quiet=True))[0], state)
+    assert torch.equal(state["w"], torch.full((64,), 2.0))
+
+    path = pending.commit()
+    assert path.endswith("step_00000004") and checkpoint.verify(path)["step"] == 4
+    checkpoint.load(path, state)
+    assert torch.equal(state["w"], torch.full((64,), 4.0))
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_hash_shares_cover_every_file_once_keeping_each_writers_shards_together():
+    files = {f"__{r}_{i}.distcp": {} for r in range(5) for i in range(2)} | {".metadata": {}}
+    parts = checkpoint.shares({"files": files}, 2)
+    assert len(parts) == 2 and sorted(n for p in parts for n in p) == sorted(files)
+    owners = [{n.split("_")[2] for n in p if n.startswith("__")} for p in parts]
+    assert not owners[0] & owners[1]
+    assert checkpoint.shares({"files": files}, 50) and len(checkpoint.shares({"files": files}, 50)) == 5
+
+
+def test_a_corrupted_file_is_found_by_the_share_that_holds_it(one_rank, tmp_path):
+    path = checkpoint.save(str(tmp_path), 1, {"w": torch.ones(32)}, {}, keep_last=1)
+    meta = checkpoint.verify(path)
+    assert all(checkpoint.mismatched(path, names) == [] for names in checkpoint.shares(meta, 2))
+    shard = next(tmp_path.glob("step_00000001/*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes: only the hash sees it
+    shard.write_bytes(bytes(data))
+    bad = [line for names in checkpoint.shares(meta, 2) for line in checkpoint.mismatched(path, names)]
+    assert bad == [f"checkpoint {path}: file {shard.name} is corrupted (checksum mismatch)"]

@@ -16,11 +16,14 @@ import hashlib
 import json
 import re
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..errors import CheckpointError
 
@@ -66,8 +69,8 @@ def _manifest(fs, directory: str, rank: int) -> dict[str, dict[str, Any]]:
     return files
 
 
-def save(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> str:
-    """Write the checkpoint of `step` under `root`; returns the committed checkpoint's path."""
+def _prepare(root: str, step: int) -> tuple[Any, str, str, str]:
+    """Make the directory the shards of `step` go to (rank 0, then a barrier)."""
     fs, base = _fs(root)
     final = f"{base}/{step_dir_name(step)}"
     target = f"{base}/.{step_dir_name(step)}.partial" if _is_local(fs) else final
@@ -79,9 +82,15 @@ def save(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep
             fs.rm(target, recursive=True)  # left by an interrupted write of this same step
         fs.makedirs(target, exist_ok=True)
     dist.barrier()
-    dcp.save(state, checkpoint_id=_url(fs, target))
+    return fs, base, target, final
+
+
+def _commit(fs, base: str, target: str, final: str, step: int, meta: dict[str, Any], keep_last: int,
+            mine: dict[str, dict[str, Any]] | None = None) -> str:
+    """Every rank's shards are written: gather the manifests (`mine`: this rank's, when already
+    made), write meta.json last, rename."""
     parts: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, _manifest(fs, target, dist.get_rank()))
+    dist.all_gather_object(parts, mine if mine is not None else _manifest(fs, target, dist.get_rank()))
     if dist.get_rank() == 0:
         files = {name: rec for part in parts for name, rec in (part or {}).items()}
         record = {"step": step, **meta, "files": dict(sorted(files.items()))}
@@ -92,6 +101,64 @@ def save(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep
         _prune(fs, base, keep_last)
     dist.barrier()
     return _url(fs, final)
+
+
+def save(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int) -> str:
+    """Write the checkpoint of `step` under `root`; returns the committed checkpoint's path."""
+    fs, base, target, final = _prepare(root, step)
+    dcp.save(state, checkpoint_id=_url(fs, target))
+    return _commit(fs, base, target, final, step, meta, keep_last)
+
+
+def writer_group():
+    """The process group background writes use (call on every rank, after the default group
+    starts). Its own gloo group: DCP's collectives run in the writer thread, and sharing the
+    training group would interleave them with the step's collectives (NCCL cannot run them on
+    CPU at all)."""
+    return dist.new_group(backend="gloo")
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint copied to CPU memory and being written in the background. Training goes
+    on; `commit()` (every rank, at the same step) waits for this rank's write and then commits
+    exactly as `save` does, so until it returns the previous checkpoint is the latest whole one."""
+
+    step: int
+    upload: Future
+    """This rank's write; then its manifest (the files' sizes and hashes), also made in the background."""
+    where: tuple[Any, str, str, str]
+    meta: dict[str, Any]
+    keep_last: int
+
+    def commit(self) -> str:
+        mine = self.upload.result()  # this rank's shards (and, on rank 0, DCP's metadata) are written
+        fs, base, target, final = self.where
+        dist.barrier()  # every rank's background write has finished
+        return _commit(fs, base, target, final, self.step, self.meta, self.keep_last, mine)
+
+
+def save_async(root: str, step: int, state: dict[str, Any], meta: dict[str, Any], keep_last: int,
+               group) -> PendingSave:
+    """Stage `state` to CPU memory now (the only part training waits for) and write it in a
+    background thread over `group` (`writer_group`); commit with the returned `PendingSave`."""
+    where = _prepare(root, step)
+    fs, _, target, _ = where
+    res = dcp.async_save(state, checkpoint_id=_url(fs, target), process_group=group)
+    written = res.upload_completion if isinstance(res, AsyncSaveResponse) else res
+    rank = dist.get_rank()
+    # Hashing this rank's shards is as long as reading them: done by the writer's side too.
+    done: Future = Future()
+
+    def hashed(f: Future) -> None:
+        try:
+            f.result()
+            done.set_result(_manifest(fs, target, rank))
+        except BaseException as e:  # noqa: BLE001 - handed to commit(), which raises it
+            done.set_exception(e)
+
+    written.add_done_callback(hashed)
+    return PendingSave(step, done, where, meta, keep_last)
 
 
 def _prune(fs, base: str, keep_last: int) -> None:
@@ -135,6 +202,28 @@ def verify(path: str, hashes: bool = True) -> dict[str, Any]:
         if hashes and _digest(fs, f)["sha256"] != want["sha256"]:
             raise CheckpointError(f"checkpoint {path}: file {name} is corrupted (checksum mismatch)")
     return meta
+
+
+def mismatched(path: str, names: list[str]) -> list[str]:
+    """Of the files `names` of the committed checkpoint at `path`, those whose SHA-256 differs
+    from meta.json, each as one line saying so."""
+    fs, p = _fs(path)
+    files = read_meta(path)["files"]
+    return [f"checkpoint {path}: file {n} is corrupted (checksum mismatch)" for n in names
+            if _digest(fs, f"{p}/{n}")["sha256"] != files[n]["sha256"]]
+
+
+def shares(meta: dict[str, Any], parts: int) -> list[list[str]]:
+    """meta.json's files dealt into at most `parts` lists: each writer rank's shards stay
+    together, and the writers are dealt in turn (ranks hold about equal shares of the state)."""
+    by_owner: dict[int, list[str]] = {}
+    for name in meta.get("files", {}):
+        owner = re.match(r"__(\d+)_", name)
+        by_owner.setdefault(int(owner.group(1)) if owner else 0, []).append(name)
+    out: list[list[str]] = [[] for _ in range(max(1, parts))]
+    for i, owner in enumerate(sorted(by_owner)):
+        out[i % len(out)].extend(by_owner[owner])
+    return [x for x in out if x]
 
 
 def load(path: str, state: dict[str, Any]) -> None:

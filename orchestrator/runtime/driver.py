@@ -10,7 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -26,9 +26,11 @@ from ..planning import Plan, plan_job
 from ..planning.cluster_view import plannable
 from ..planning.model_spec import ModelSpec
 from ..rundir import RunDir
+from . import supervise
 from .curve import loss_svg
 from .metrics import record_restart
 from .progress import ProgressView
+from .straggler import StragglerTracker, describe
 
 
 @dataclass
@@ -37,6 +39,8 @@ class RunState:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     """One metrics row per completed step, as written to metrics.jsonl."""
+    stragglers: StragglerTracker = field(default_factory=StragglerTracker)
+    """Every rank's own step and exposed-communication times (the current world's ranks)."""
     val: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     restarts: list[dict[str, Any]] = field(default_factory=list)
@@ -58,9 +62,28 @@ class RunState:
 class WorkerFailure(Exception):
     """A worker actor died or a rank raised while training."""
 
-    def __init__(self, reason: str, ranks: list[int], nodes: list[str]) -> None:
+    def __init__(self, reason: str, ranks: list[int], nodes: list[str], detected_unix_s: float | None = None,
+                 stacks: str | None = None) -> None:
         super().__init__(reason)
         self.reason, self.ranks, self.nodes = reason, ranks, nodes
+        self.detected_unix_s = detected_unix_s or time.time()
+        """When the driver saw the failure (before asking who is to blame)."""
+        self.detected_at = _now(self.detected_unix_s)
+        self.stacks = stacks
+        """The run-directory folder with every rank's stacks (a hang), else None."""
+
+
+class Regrow(Exception):
+    """More devices are alive than the running plan was made for: re-plan from the checkpoint
+    just committed (not a failure: it does not count against train.max_failures)."""
+
+    def __init__(self, before: int, now: int, checkpoint: str, step: int) -> None:
+        super().__init__(f"grow: {now} devices available, the plan was made for {before}")
+        self.reason, self.checkpoint, self.step = str(self), checkpoint, step
+
+
+def _now(t: float | None = None) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
 def _use_gpu(topology) -> bool:
@@ -97,12 +120,23 @@ def _check_pipeline_contract(cfg: JobConfig, model_fn: Callable[..., Any] | None
         raise ConfigError(f"key 'parallel.pp': {e}") from None
 
 
-def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None) -> Plan:
-    plan = plan_job(cfg, topology, spec, left_out=left_out)
-    run.write_json("plan.json", plan.to_dict())  # written even when refused: it says why
-    if not plan.fits:
-        raise PlanError(f"the plan does not fit: {plan.reason}")
-    return plan
+def _plan(cfg: JobConfig, topology, run: RunDir, left_out=(), spec: ModelSpec | None = None):
+    """The plan that keeps the global batch on the part of `topology` it uses (`elastic`), and
+    that part; plan.json is written even when refused: it says why."""
+    from .elastic import plan_keeping_batch
+
+    try:
+        plan, used, note = plan_keeping_batch(cfg, topology, spec, left_out)
+    except PlanError:
+        try:
+            run.write_json("plan.json", plan_job(cfg, topology, spec, left_out=left_out).to_dict())
+        except PlanError:
+            pass
+        raise
+    if note:
+        plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
+    run.write_json("plan.json", plan.to_dict())
+    return plan, used, note
 
 
 def _steady_mean(values: list[float]) -> float:
@@ -112,12 +146,14 @@ def _steady_mean(values: list[float]) -> float:
 
 
 def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | None:
-    """The newest checkpoint under `root` that verifies; damaged ones are named and skipped."""
+    """The newest checkpoint under `root` that verifies (hashed in parallel across the nodes);
+    damaged ones are named and skipped."""
     from . import checkpoint
+    from .verify import verify_parallel
 
     for path in reversed(checkpoint.committed(root)):
         try:
-            meta = checkpoint.verify(path)
+            meta = verify_parallel(path)
         except CheckpointError as e:
             console.print(f"[yellow]warning:[/] {escape(str(e))}; trying the previous checkpoint")
             continue
@@ -149,6 +185,18 @@ def run_job(
         try:
             plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume)
             break
+        except PlanError:
+            if state.restarts:  # the world shrank below what the job can run on: the summary says so too
+                run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+            raise
+        except Regrow as g:
+            state.restarts.append({"time": _now(), "reason": g.reason, "ranks": [], "nodes": [], "grow": True,
+                                   "failed_at_step": state.last_step, "resumed_from_step": g.step,
+                                   "steps_lost": max(0, state.last_step - g.step)})
+            console.print(f"[green]{escape(g.reason)}:[/] re-planning from step {g.step}")
+            resume = g.checkpoint
+            state.rewind(g.step)
+            run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in state.rows))
         except WorkerFailure as f:
             found = latest_whole_checkpoint(ckpt_dir, console)
             if found is None and resume_from:
@@ -157,24 +205,28 @@ def run_job(
                 found = (resume_from, int(checkpoint.verify(resume_from)["step"]))
             resume, resume_step = found if found else (None, 0)
             restart = {
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "time": _now(),
+                "detected_at": f.detected_at,
+                "detected_unix_s": f.detected_unix_s,
                 "reason": f.reason,
                 "ranks": f.ranks,
                 "nodes": f.nodes,
+                **({"stacks": f.stacks} if f.stacks else {}),
                 "failed_at_step": state.last_step,
                 "resumed_from_step": resume_step,
                 "steps_lost": max(0, state.last_step - resume_step),
             }
             state.restarts.append(restart)
             record_restart(cfg.name)
-            if len(state.restarts) > cfg.train.max_failures:
+            failures = sum(1 for r in state.restarts if not r.get("grow"))
+            if failures > cfg.train.max_failures:
                 run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
                 raise RunFailed(
                     f"rank(s) {f.ranks} failed ({f.reason}) and train.max_failures={cfg.train.max_failures} "
                     f"restarts are used up; the last whole checkpoint is {resume or 'none'}"
                 ) from f
             console.print(
-                f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {len(state.restarts)}/"
+                f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {failures}/"
                 f"{cfg.train.max_failures} from " + (f"step {resume_step} ({escape(resume)})" if resume else
                                                     "step 0: no checkpoint was written yet")
             )
@@ -206,9 +258,13 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
     view, left_out = plannable(topology)
     use_gpu = _use_gpu(view)
-    plan = _plan(cfg, _elastic(cfg, view), run, left_out, state.spec)
+    view = _elastic(cfg, view)
+    devices_at_plan = view.num_devices
+    plan, view, note = _plan(cfg, view, run, left_out, state.spec)
     for x in plan.left_out:
         console.print(f"left out: {escape(str(x))}")
+    if note:
+        console.print(f"[yellow]note:[/] {escape(note)}")
     console.print(
         f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
         f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
@@ -244,11 +300,18 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
         start = setups[0]["start_step"]
         if resume:
             console.print(f"resumed from {escape(resume)} at step {start}")
-        finals = _train(cfg, run, console, placement, state, start, ckpt_dir)
+        grow = (lambda: _devices_now(cfg)) if use_gpu else None
+        finals = _train(cfg, run, console, placement, plan, state, start, ckpt_dir, devices_at_plan, grow)
         ray.get([a.shutdown.remote() for a in actors])
     finally:
         placement.release()
     return plan, setups, finals, placement.reports
+
+
+def _devices_now(cfg: JobConfig) -> int:
+    """GPUs on the cluster's alive nodes now, up to elastic.max_workers."""
+    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")))
+    return min(gpus, cfg.elastic.max_workers) if cfg.elastic.max_workers else gpus
 
 
 def _shown(warning: str) -> bool:
@@ -291,24 +354,42 @@ def _elastic(cfg: JobConfig, topology):
     return topology.limit(cfg.elastic.max_workers)
 
 
-def _raise_failure(err: Exception, placement) -> None:
-    """Turn a rank's error into a WorkerFailure naming the ranks whose actors are dead."""
-    dead = []
-    for rank, a in enumerate(placement.actors):
-        try:
-            ray.get(a.report.remote(), timeout=10)
-        except Exception:
-            dead.append(rank)
-    nodes = sorted({placement.reports[r]["node_id"] for r in dead}) if placement.reports else []
+def _raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> None:
+    """Turn a rank's error into a WorkerFailure naming only the ranks whose actors are dead
+    (or no longer answer): survivors stuck in a collective behind them are not failed."""
+    detected = time.time()
+    node_of = [r["node_id"] for r in placement.reports] if placement.reports else None
+    who = supervise.blame(placement.actors, known_dead, node_of)
+    dead = who.ranks
+    nodes = _nodes_of(placement, dead)
     kind = "worker died" if dead else "rank raised"
     first = str(err).strip().splitlines()
     detail = next((ln for ln in reversed(first) if ln.strip()), type(err).__name__)[:200]
-    raise WorkerFailure(f"{kind}: {detail}", dead, nodes) from err
+    raise WorkerFailure(f"{kind}: {detail}", dead, nodes, detected) from err
 
 
-def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunState, start: int,
-           ckpt_dir: str) -> list[dict[str, Any]]:
-    """Run every rank's step loop and follow it through the metrics sink until all return."""
+def _where(plan: Plan) -> dict[int, dict[str, Any]]:
+    """Each rank's placement in the plan (node, device, NIC), for the straggler report."""
+    return {r.rank: r.to_dict() for r in plan.ranks}
+
+
+def _nodes_of(placement, ranks: list[int]) -> list[str]:
+    return sorted({placement.reports[r]["node_id"] for r in ranks}) if placement.reports else []
+
+
+def _raise_hang(run: RunDir, placement, timeout_s: float, step: int) -> None:
+    """No step finished for `timeout_s`: save every rank's stacks, blame the silent ones."""
+    detected = time.time()
+    folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
+    who = supervise.save_stacks(placement.actors, run.path / folder)
+    raise WorkerFailure(f"hang: no step finished within {timeout_s:.0f} s after step {step}; stacks in {folder}",
+                        who.ranks, _nodes_of(placement, who.ranks), detected, folder)
+
+
+def _train(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan, state: RunState, start: int,
+           ckpt_dir: str, devices_at_plan: int = 0, devices_now=None) -> list[dict[str, Any]]:
+    """Run every rank's step loop and follow it through the metrics sink until all return:
+    a rank's future failing is the failure signal, no step for too long is a hang."""
     from .worker import MetricsSink
 
     actors = placement.actors
@@ -319,18 +400,47 @@ def _train(cfg: JobConfig, run: RunDir, console: Console, placement, state: RunS
     ).remote()
     refs = [a.train.remote(start, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
     pending = list(refs)
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    state.stragglers = StragglerTracker()  # this world's ranks only
+    where = _where(plan)
+    announced: set[int] = set()
+    e = cfg.elastic
+    watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s))
     try:
         with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
             while True:
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
-                _consume(ray.get(sink.drain.remote()), state, run, view, cfg.monitor.log_interval)
+                done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+                if done:  # take whatever else finished with it, so every dead rank is seen at once
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+                    done += more
+                items = ray.get(sink.drain.remote())
+                if items:
+                    watchdog.progressed()
+                saved = [(it["step"], it["path"]) for it in items if it["kind"] == "checkpoint"]
+                timed = any(it["kind"] == "times" for it in items)
+                _consume(items, state, run, view, cfg.monitor.log_interval)
+                if timed:
+                    slow = [s for s in state.stragglers.report(where) if s["rank"] not in announced]
+                    if slow:
+                        announced.update(s["rank"] for s in slow)
+                        console.print(f"[yellow]straggler:[/] {escape(describe(slow))}")
+                errors = {}
                 for ref in done:
                     try:
                         ray.get(ref)
-                    except (RayActorError, RayTaskError) as e:
-                        _raise_failure(e, placement)
+                    except (RayActorError, RayTaskError) as err:
+                        errors[rank_of[ref]] = err
+                if errors:
+                    first = errors[min(errors)]
+                    _raise_failure(first, placement, supervise.dead_from_futures(errors))
                 if not pending:
                     break
+                # Grow only at a checkpoint boundary: the checkpoint just committed is where the
+                # larger world resumes, so (almost) nothing is recomputed.
+                if saved and devices_now is not None and (now := devices_now()) > devices_at_plan:
+                    raise Regrow(devices_at_plan, now, saved[-1][1], saved[-1][0])
+                if watchdog.hung():
+                    _raise_hang(run, placement, watchdog.timeout_s, state.last_step)
         return ray.get(refs)
     finally:
         ray.kill(sink)
@@ -346,6 +456,8 @@ def _consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pr
             state.val.append((it["step"], it["val_loss"]))
         elif kind == "checkpoint":
             state.checkpoints.append(it["path"])
+        elif kind == "times":
+            state.stragglers.add(it["rank"], [tuple(t) for t in it["times"]])
         elif kind == "step":
             row = {k: it.get(k) for k in ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s",
                                           "grad_norm", "mfu", "val_loss")}
@@ -399,6 +511,7 @@ def _summary(cfg, plan: Plan, state: RunState, setups, finals, wall: float, repo
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
         "restarts": state.restarts,
+        "stragglers": state.stragglers.report(_where(plan)),
     }
 
 

@@ -76,6 +76,10 @@ def _bind_cpus(cpu_affinity: str, rank: int) -> list[str]:
     return []
 
 
+TIMES_BATCH = 10
+"""Steps of per-rank timings sent to the driver at once (one small message per rank per batch)."""
+
+
 @ray.remote
 class MetricsSink:
     """Collects what ranks push; the driver drains it."""
@@ -91,7 +95,9 @@ class MetricsSink:
         return items
 
 
-@ray.remote
+# Liveness and stack dumps answer on their own thread: a rank busy in a step, or blocked in a
+# collective waiting for a dead peer, still says it is alive (and where it is).
+@ray.remote(concurrency_groups={"control": 1})
 class Worker:
     def __init__(self, rank: int, world: int, cpu_slot: int, threads: int) -> None:
         import torch
@@ -102,8 +108,24 @@ class Worker:
         torch.set_num_threads(max(1, threads))
         self.trainer = None
 
+    @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
         return {"rank": self.rank, **device_report(self.cpu_slot)}
+
+    @ray.method(concurrency_group="control")
+    def alive(self) -> int:
+        return self.rank
+
+    @ray.method(concurrency_group="control")
+    def stacks(self) -> str:
+        """Every thread's Python stack in this process, as faulthandler writes it."""
+        import faulthandler
+        import tempfile
+
+        with tempfile.TemporaryFile("w+") as f:  # faulthandler needs a real file descriptor
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            return f"rank {self.rank}, pid {os.getpid()}\n" + f.read()
 
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -142,6 +164,9 @@ class Worker:
         nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
         init_process_group(self.rank, self.world, master[0], master[1], backend)
+        from . import checkpoint
+
+        self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
         self.trainer = Trainer(cfg, plan, device, model_fn)
         self.metrics = TrainMetrics(cfg.name, self.rank)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
@@ -167,8 +192,13 @@ class Worker:
             last_val = tr.evaluate()  # the untrained model's loss: the baseline of the curve
             if self.rank == 0:
                 sink.put.remote({"kind": "eval", "step": 0, "val_loss": last_val})
+        times: list[tuple[float, float]] = []  # this rank's own timings, for the straggler report
+        pending = None  # a checkpoint being written in the background, committed after the next step
         for step in range(start, end):
             res = tr.train_step(step)
+            if pending is not None:
+                self._committed(pending.commit(), pending.step, sink)
+                pending = None
             done = step + 1  # metrics count completed optimizer steps
             final = done == cfg.train.max_steps
             if done % cfg.train.eval_interval == 0 or final:
@@ -179,20 +209,30 @@ class Worker:
             self.metrics.record_step(row)
             if self.rank == 0:
                 sink.put.remote({"kind": "step", **row})
+            times.append((res.step_s, res.exposed_comm_s))
+            if len(times) >= TIMES_BATCH or final:
+                sink.put.remote({"kind": "times", "rank": self.rank, "times": times})
+                times = []
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
-                path = checkpoint.save(
-                    checkpoint_dir, done, tr.par.state_dict(),
-                    {"world_size": self.world, "strategy": str(tr.plan.strategy), "mesh": tr.plan.mesh.to_dict()},
-                    cfg.checkpoint.keep_last,
-                )
-                if self.rank == 0:
-                    sink.put.remote({"kind": "checkpoint", "step": done, "path": str(path)})
+                meta = {"world_size": self.world, "strategy": str(tr.plan.strategy), "mesh": tr.plan.mesh.to_dict()}
+                if self.writer_group is not None and not final:
+                    pending = checkpoint.save_async(checkpoint_dir, done, tr.par.state_dict(), meta,
+                                                    cfg.checkpoint.keep_last, self.writer_group)
+                else:  # the last one: nothing left to overlap it with
+                    path = checkpoint.save(checkpoint_dir, done, tr.par.state_dict(), meta, cfg.checkpoint.keep_last)
+                    self._committed(path, done, sink)
+        if pending is not None:  # end < max_steps: the run stops here, its last checkpoint still counts
+            self._committed(pending.commit(), pending.step, sink)
         if self.rank == 0:
             # Calls from one caller run in order: once this returns, the sink holds every item
             # above, so the driver's last drain after this method returns misses nothing.
             ray.get(sink.put.remote({"kind": "end"}))
         return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes()}
+
+    def _committed(self, path: str, step: int, sink) -> None:
+        if self.rank == 0:
+            sink.put.remote({"kind": "checkpoint", "step": step, "path": str(path)})
 
     def shutdown(self) -> None:
         import torch.distributed as dist

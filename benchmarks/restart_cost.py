@@ -1,0 +1,150 @@
+"""Restart cost on fake-GPU Ray clusters with a GPU-less head, the issue's two acceptance runs:
+
+1. 8 ranks on 2 nodes of 4 GPUs (wired as the 4-GPU PCIe capture): the same run uninterrupted
+   and with `kill -9` of rank 3 half-way; the extra wall time, the ranks blamed, and the time
+   from the kill to its detection.
+2. 3 nodes of 2 GPUs with global batch 18: one node removed half-way (its 2 ranks die, and the 4
+   survivors do not divide 18); the world sizes before and after, the global batch every plan
+   covers, and whether every step finished.
+
+    python benchmarks/restart_cost.py [--quick] [--steps N]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, parse_args, print_table, write_result  # noqa: E402
+
+CAPTURE = ROOT / "tests" / "fixtures" / "topology" / "topo_4gpu_pcie_pxb_pix_nccl667.txt"
+TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "train.warmup_steps=1",
+        "train.eval_iters=1", "cluster.gpu=A100", "cluster.cpus_per_worker=0.25", "parallel.strategy=ddp",
+        "parallel.tp=1", "monitor.progress=false", "monitor.dashboard=false"]
+
+
+def _last_step(run: Path) -> int:
+    m = run / "metrics.jsonl"
+    rows = m.read_text().splitlines() if m.exists() else []
+    return json.loads(rows[-1])["step"] if rows else 0
+
+
+def _run(runs: Path, steps: int, batch: int, chaos=None) -> dict:
+    """One run_job; `chaos(run_dir)` runs beside it and returns what it did."""
+    from rich.console import Console
+
+    from orchestrator.config import load_config
+    from orchestrator.rundir import RunDir
+    from orchestrator.runtime.driver import run_job
+
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, f"monitor.runs_dir={runs}", f"train.max_steps={steps}",
+                                                   f"train.global_batch_size={batch}", f"train.eval_interval={steps}",
+                                                   "checkpoint.interval=5", "train.max_failures=1"])
+    run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    did: dict = {}
+    if chaos:
+        threading.Thread(target=lambda: did.update(chaos(run.path)), daemon=True).start()
+    t0 = time.monotonic()
+    summary = run_job(cfg, run, Console(file=open(os.devnull, "w")))
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    return {"wall_s": time.monotonic() - t0, "summary": summary, "did": did, "steps": [r["step"] for r in rows],
+            "plan": json.loads((run.path / "plan.json").read_text())}
+
+
+def _kill_rank(rank: int, at: int):
+    def chaos(run: Path) -> dict:
+        while _last_step(run) < at:
+            time.sleep(0.05)
+        place = json.loads((run / "placement.json").read_text())
+        t = time.time()
+        os.kill(place[rank]["pid"], signal.SIGKILL)
+        return {"killed_at": t, "rank": rank}
+    return chaos
+
+
+def _remove_node(cluster, node, at: int):
+    def chaos(run: Path) -> dict:
+        while _last_step(run) < at:
+            time.sleep(0.05)
+        plan = json.loads((run / "plan.json").read_text())
+        cluster.remove_node(node, allow_graceful=False)
+        return {"world_before": plan["world_size"]}
+    return chaos
+
+
+def _cluster(nodes: int, gpus: int, env: dict):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "num_gpus": 0,
+        "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                           "health_check_failure_threshold": 3}})
+    workers = [cluster.add_node(num_cpus=2, num_gpus=gpus, env_vars=env) for _ in range(nodes)]
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    return cluster, workers
+
+
+def _batch(plan: dict) -> int:
+    m = plan["mesh"]
+    return plan["micro_batch_size"] * plan["sync"]["grad_accum_steps"] * m["dp_replicate"] * m["dp_shard"]
+
+
+def main(argv=None) -> None:
+    args = parse_args(__doc__, argv, lambda ap: ap.add_argument("--steps", type=int, default=40))
+    import ray
+
+    from orchestrator.topology.files import load_topology_file
+    from orchestrator.topology.model import ClusterTopology
+
+    steps = 20 if args.quick else args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cluster, _ = _cluster(2, 4, {"ORCHESTRATOR_TOPOLOGY_FILE": str(CAPTURE)})
+        try:
+            base = _run(tmp / "a", steps, 16)
+            hit = _run(tmp / "b", steps, 16, _kill_rank(3, steps // 2))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+        two = ClusterTopology(nodes=[load_topology_file(CAPTURE, "A100")]).limit(2).nodes[0]
+        (tmp / "two.json").write_text(json.dumps(two.to_dict()))
+        cluster, workers = _cluster(3, 2, {"ORCHESTRATOR_TOPOLOGY_FILE": str(tmp / "two.json")})
+        try:
+            lost = _run(tmp / "c", steps, 18, _remove_node(cluster, workers[-1], steps // 2))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+    r = hit["summary"]["restarts"][0]
+    kill = {"uninterrupted_s": base["wall_s"], "killed_s": hit["wall_s"],
+            "restart_cost_s": hit["wall_s"] - base["wall_s"],
+            "detect_s": r["detected_unix_s"] - hit["did"]["killed_at"], "blamed_ranks": r["ranks"],
+            "blamed_nodes": len(r["nodes"]), "steps_lost": r["steps_lost"]}
+    lr = lost["summary"]["restarts"][0]
+    node = {"world_before": lost["did"]["world_before"], "world_after": lost["plan"]["world_size"],
+            "global_batch_after": _batch(lost["plan"]),
+            "every_step_finished": lost["steps"] == list(range(1, steps + 1)),
+            "blamed_ranks": lr["ranks"], "wall_s": lost["wall_s"]}
+    print_table(f"kill -9 of one of 8 ranks, 2 fake-GPU nodes, {steps} steps",
+                ["run", "wall", "over uninterrupted", "blamed ranks", "kill to detection"],
+                [("uninterrupted", f"{base['wall_s']:.1f} s", "-", "-", "-"),
+                 ("kill -9 of rank 3", f"{hit['wall_s']:.1f} s", f"{kill['restart_cost_s']:+.1f} s",
+                  str(kill["blamed_ranks"]), f"{kill['detect_s']:.2f} s")])
+    print_table(f"one of 3 nodes lost, global batch 18, {steps} steps",
+                ["world before", "world after", "global batch after", "every step finished", "blamed ranks"],
+                [(node["world_before"], node["world_after"], node["global_batch_after"],
+                  str(node["every_step_finished"]), str(node["blamed_ranks"]))])
+    write_result("restart_cost", {"steps": steps, "kill_one_of_8": kill, "lose_one_of_3_nodes": node}, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Which part of the cluster a (re-)plan uses, so every step still covers exactly
+`train.global_batch_size` sequences in the same order.
+
+The planner already searches micro-batch x accumulation x mesh for the world it is given; what
+it cannot do is change the world. When the survivors of a failure admit no data-parallel size
+that divides the global batch (or no longer have equal devices per node), the driver plans for
+the largest uniform sub-world that does: whole nodes first, then fewer devices per node. The data
+order is a function of the step and the global batch alone (`workloads/data.py`), so a smaller
+data-parallel size sees the same sequences per step, only split differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import JobConfig
+from ..errors import PlanError
+from ..planning import Plan, plan_job
+from ..planning.cluster_view import LeftOut
+from ..planning.model_spec import ModelSpec
+from ..topology.model import ClusterTopology, NodeTopology
+
+
+def _keep(node: NodeTopology, keep: set[int]) -> NodeTopology:
+    return replace(
+        node,
+        devices=[d for d in node.devices if d.index in keep],
+        links=[lk for lk in node.links if lk.a in keep and lk.b in keep],
+        nvlink_domains=[g for g in ([i for i in dom if i in keep] for dom in node.nvlink_domains) if len(g) > 1],
+    )
+
+
+def uniform_subworlds(topology: ClusterTopology) -> list[ClusterTopology]:
+    """Every sub-cluster with the same number of devices on each node (the lowest device
+    indices of the nodes with the most devices), largest first; ties keep more devices per
+    node (fewer nodes, less inter-node traffic)."""
+    nodes = sorted(topology.nodes, key=lambda n: -n.num_devices)
+    out = []
+    for k in range(len(nodes), 0, -1):
+        for per_node in range(nodes[k - 1].num_devices, 0, -1):
+            chosen = [n if n.num_devices == per_node else
+                      _keep(n, {d.index for d in sorted(n.devices, key=lambda d: d.index)[:per_node]})
+                      for n in nodes[:k]]
+            out.append(ClusterTopology(nodes=chosen, network=topology.network))
+    out.sort(key=lambda t: (-t.num_devices, len(t.nodes)))
+    return out
+
+
+def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None,
+                       left_out: tuple[LeftOut, ...] = ()) -> tuple[Plan, ClusterTopology, str | None]:
+    """The plan for `topology` (the plannable nodes, already cut to elastic.max_workers) that
+    keeps the global batch:
+    the planner's own choice when the whole world admits one, otherwise the plan for the
+    largest uniform sub-world that does, with a note saying how many devices stay idle. Below
+    elastic.min_workers, PlanError in one line."""
+    min_w = cfg.elastic.min_workers
+    try:
+        plan = plan_job(cfg, topology, spec, left_out=left_out)
+        if plan.fits:
+            return plan, topology, None
+        first: Exception | None = PlanError(f"the plan does not fit: {plan.reason}")
+    except PlanError as e:
+        first = e
+    for sub in uniform_subworlds(topology):
+        if sub.num_devices >= topology.num_devices:
+            continue  # the whole world (or the same size) was tried above
+        if sub.num_devices < min_w:
+            break
+        try:
+            plan = plan_job(cfg, sub, spec, left_out=left_out)
+        except PlanError:
+            continue
+        if plan.fits:
+            note = (f"{plan.world_size} of {topology.num_devices} devices used: with all of them no plan keeps "
+                    f"train.global_batch_size={cfg.train.global_batch_size} ({first})")
+            return plan, sub, note
+    raise PlanError(f"{first}; and no sub-world of at least elastic.min_workers={min_w} devices keeps "
+                    f"train.global_batch_size={cfg.train.global_batch_size}")
