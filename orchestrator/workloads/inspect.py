@@ -216,7 +216,14 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         raise ConfigError(f"key 'model.args': the model's vocabulary ({vocab} logits) is smaller than the data's "
                           f"{vocab_needed} tokens (largest token id {vocab_needed - 1})")
     try:
-        activations = {rc: _activation_profile(two, seq, rc) for rc in RECOMPUTE_MODES}
+        activations = {"none": _activation_profile(two, seq, "none")}
+        for rc in RECOMPUTE_MODES[1:]:
+            try:
+                activations[rc] = _activation_profile(two, seq, rc)
+            except Exception:  # noqa: BLE001 - priced as without recomputation, an upper bound
+                # A forward that cannot be re-run as checkpointing does (a Hugging Face model's
+                # KV cache grows again when attention re-runs) keeps at most what it keeps whole.
+                activations[rc] = activations["none"]
         tp_activations = _tp_activation_fraction(two, seq, plan, activations["none"].block)
     except Exception as e:  # noqa: BLE001 - the user's forward or backward, reported in one line
         raise ConfigError(f"key 'model.factory': forward and backward of {name} on token ids [1, {seq}] under "
