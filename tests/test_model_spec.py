@@ -15,6 +15,7 @@ from orchestrator.config import ModelConfig, load_config
 from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning import model_math as mm
 from orchestrator.planning import plan_job
+from orchestrator.planning.activations import activation_profile
 from orchestrator.workloads.inspect import model_spec
 from orchestrator.workloads.llama import build as llama
 
@@ -36,6 +37,28 @@ def test_gpt_measured_equals_its_formulas() -> None:
         assert mm.flops_per_step(measured, batch, rec) == pytest.approx(mm.flops_per_step(shape, batch, rec), rel=1e-12)
     assert spec.tp_sharded_params == mm.tp_param_split(shape)[0]
     assert spec.tied_embeddings and spec.block_class == "Block" and spec.hidden == 96 and spec.heads == 4
+    # What MemTracker finds the GPT keeping on the meta device is what the planner's count of its
+    # layers says, recompute mode by recompute mode, and the split tensor parallelism divides.
+    for rec in ("none", "selective", "full"):
+        by_count = activation_profile(shape, 4, 1, rec, 4).kept
+        assert activation_profile(measured, 4, 1, rec, 4).kept == pytest.approx(by_count, rel=0.01), rec
+    assert spec.tp_sharded_activation_fraction == pytest.approx(12 / 16, rel=0.03)
+
+
+def test_llama_flops_the_planner_prices_are_those_of_the_whole_model() -> None:
+    # The spec measures one block and extrapolates; the step the planner prices must be what
+    # FlopCounterMode counts for the whole model's forward (and twice that for backward).
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = {"dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "ffn_dim": 96}
+    spec = model_spec(ModelConfig(factory="orchestrator.workloads.llama:build", args=args, block_size=32))
+    counter = FlopCounterMode(display=False)
+    with torch.device("meta"), counter:
+        llama(**args)(torch.zeros(2, 32, dtype=torch.long))
+    shape = mm.ModelShape.from_spec(spec)
+    assert mm.flops_per_step(shape, 2, "none") == pytest.approx(3 * counter.get_total_flops(), rel=1e-9)
+    assert mm.flops_per_step(shape, 2, "full") > mm.flops_per_step(shape, 2, "none")
 
 
 @pytest.mark.parametrize("preset, params", [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])

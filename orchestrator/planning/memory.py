@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..choices import Precision, Strategy
-from .model_math import ModelShape, activation_bytes, activation_bytes_per_layer, root_params, tp_param_split
+from .activations import activation_profile
+from .model_math import ModelShape, root_params, tp_param_split
 from .pipeline import StageShare
 from .resolve import resolve_precision, wrapping_of
 
@@ -94,7 +95,8 @@ class MemoryBreakdown:
     optimizer: int
     """Optimizer state (Adam moments, master weights) the rank keeps."""
     activations: int
-    """Activations of one micro-batch kept for backward (Korthikanti et al.)."""
+    """Activation bytes of one micro-batch at their peak: what forward keeps for backward plus
+    the most backward holds at once on top (`activations.activation_profile`)."""
     buffers: int
     """Transient: DDP's buckets, FSDP's gathered weights and unsharded gradients, the
     tensor-parallel gather, NCCL and cuBLAS workspaces."""
@@ -220,29 +222,23 @@ def rank_memory(
     """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
     micro-batch's activations, transient buffers.
 
-    With tensor parallelism the activations are Korthikanti's without sequence parallelism:
-    the runtime's tensor-parallel plan shards the matmuls only, so LayerNorm and dropout
-    activations stay whole on every rank.
-    The fp32 logits and their gradient, which cross-entropy materialises, are added to the
-    activation estimate: they dominate at large vocabularies.
+    Activations are what the runtime's fused attention and checkpointing keep, at their peak in
+    backward (`activations.activation_profile`); with tensor parallelism only the part between
+    the split matmuls is divided (no sequence parallelism), and the replicated output head keeps
+    whole logits.
 
     A pipeline rank (`share`) keeps its own blocks' activations for `in_flight` micro-batches
-    (`Pipeline.in_flight`: up to p on the first stage under 1F1B); the embedding term sits on
-    the first stage, the output term and the logits on the last.
+    (`Pipeline.in_flight`: up to p on the first stage under 1F1B); the head's logits and the
+    loss sit on the last stage.
     """
     st = runtime_states(strategy, shape, tp, shard, layout, share)
     w, g, k = st.params, st.grads, st.optimizer
     if share is None:
-        act = activation_bytes(shape, micro_batch, tp, sequence_parallel=False, recompute=recompute,
-                               bytes_per_value=layout.activation)
-        act += 8 * micro_batch * shape.seq * shape.vocab / tp
+        profile = activation_profile(shape, micro_batch, tp, recompute, layout.activation)
     else:
-        per_layer = activation_bytes_per_layer(shape, micro_batch, tp, False, recompute) * layout.activation / 2
-        s, b, h = shape.seq, micro_batch, shape.hidden
-        edge = 4 * s * b * h / tp * layout.activation / 2
-        act = in_flight * (share.blocks * per_layer + edge * share.first)
-        if share.last:
-            act += edge * shape.vocab / h + 8 * micro_batch * shape.seq * shape.vocab / tp
+        profile = activation_profile(shape, micro_batch, tp, recompute, layout.activation, blocks=share.blocks,
+                                     last=share.last, in_flight=in_flight)
+    act = profile.peak
     buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
     parts = [int(round(x)) for x in (w, g, k, act, buf)]
     return MemoryBreakdown(*parts, total=sum(parts))

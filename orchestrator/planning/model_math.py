@@ -157,7 +157,9 @@ def model_flops_per_step(shape: ModelShape, batch: int) -> float:
 def activation_bytes_per_layer(
     shape: ModelShape, micro_batch: int, tp: int = 1, sequence_parallel: bool = False, recompute: str = "none"
 ) -> float:
-    """Activation bytes one block keeps for backward, Korthikanti et al. 2022 Table 2.
+    """Activation bytes one block keeps for backward, Korthikanti et al. 2022 Table 2: the
+    papers' reference for a GPT whose attention runs on the math path and keeps its s x s
+    scores. What the runtime keeps (fused attention) is `activations.activation_profile`.
 
     16-bit activations and 1-byte dropout masks, per micro-batch of `micro_batch` sequences:
     no parallelism sbh(34 + 5as/h); tensor parallelism sbh(10 + 24/t + 5as/(ht)); with
@@ -170,15 +172,6 @@ def activation_bytes_per_layer(
         raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
     s, b, h, a = shape.seq, micro_batch, shape.hidden, shape.heads
     sbh = s * b * h
-    if shape.spec is not None and recompute != "full":
-        # Measured bytes of the whole block; tensor parallelism divides the part Korthikanti's
-        # GPT block has inside the sharded matmuls (24 of 34), the rest stays whole per rank.
-        # Selective recomputation saves nothing more here: the measured attention kernels
-        # already keep no s x s matrix.
-        measured = b * shape.spec.block_activation_bytes
-        if tp == 1:
-            return measured
-        return measured * (34 / tp if sequence_parallel else 10 + 24 / tp) / 34
     attention = 0.0 if recompute == "selective" else 5 * a * s / (h * tp)
     if recompute == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)

@@ -8,7 +8,7 @@ The built-in GPT needs no measurement: its `ModelShape` formulas give the same n
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -42,8 +42,22 @@ class ModelSpec:
     """Forward FLOPs per token of the whole model at `seq` (FlopCounterMode: 2 per multiply-add)."""
     block_forward_flops_per_token: float
     """Forward FLOPs per token of one block at `seq`."""
-    block_activation_bytes: float
-    """Bytes one block keeps for backward per sequence of `seq` tokens, in 16-bit values."""
+    # The by-mode tables stay out of the hash (a dict has none) so a spec can key the planner's
+    # caches; equality still compares them.
+    block_activation_bytes: dict[str, float] = field(hash=False)
+    """Bytes one block keeps for backward per sequence of `seq` tokens, by recompute mode (none,
+    selective, full), in the fp32 the model was measured in, with the fused attention kernel a
+    real run uses and the runtime's own activation checkpointing."""
+    root_activation_bytes: float
+    """Bytes kept per sequence outside the blocks: embedding output, final norm, output head
+    input and the loss's fp32 log-probabilities (fp32 as measured)."""
+    backward_transient_bytes: dict[str, float] = field(hash=False)
+    """The most backward holds at once per sequence on top of what forward kept, by recompute
+    mode (gradient temporaries of the logits and of a block, a recomputed block), weight
+    gradients left out (fp32 as measured)."""
+    tp_sharded_activation_fraction: float | None
+    """Fraction of `block_activation_bytes['none']` that tensor parallelism splits (measured as
+    one rank of tp=2 holds the block); None without a plan or where it could not be measured."""
     tp_sharded_params: int
     """Parameters the model's tensor-parallel plan shards (0 without a plan)."""
     tp_plan: bool
@@ -61,6 +75,10 @@ class ModelSpec:
         if self.blocks * self.block_params + self.root_params != self.params:
             raise ValueError(f"model spec: {self.blocks} blocks x {self.block_params} + {self.root_params} root "
                              f"parameters != {self.params} parameters")
+        for name in ("block_activation_bytes", "backward_transient_bytes"):
+            if set(getattr(self, name)) != {"none", "selective", "full"}:
+                raise ValueError(f"model spec {name} must give none, selective and full, got "
+                                 f"{sorted(getattr(self, name))}")
         if self.tp_sharded_params > self.params:
             raise ValueError("model spec: tensor parallelism cannot shard more parameters than the model has")
 

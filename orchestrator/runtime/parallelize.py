@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -47,12 +46,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from orchestrator.choices import Recompute
 from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
-from orchestrator.workloads.models import attention_of, block_slots
+from orchestrator.workloads.models import apply_recompute, block_slots
 
 _DCP_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -271,20 +269,6 @@ class Parallelized:
             )
 
 
-def _apply_recompute(model: nn.Module, recompute: Recompute) -> None:
-    """Wrap the repeated blocks (full) or their attention (selective) in non-reentrant activation
-    checkpointing; a block without an attention submodule is wrapped whole."""
-    if recompute == Recompute.none:
-        return
-    for blocks, key in block_slots(model):
-        block = blocks[key]
-        found = attention_of(block) if recompute == Recompute.selective else None
-        if found is None:
-            blocks[key] = checkpoint_wrapper(block)
-        else:
-            setattr(block, found[0], checkpoint_wrapper(found[1]))
-
-
 def _zero_optimizer(
     model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], group: dist.ProcessGroup
 ) -> ZeroRedundancyOptimizer:
@@ -320,7 +304,7 @@ def parallelize(
     model.to(device)
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    _apply_recompute(model, ex.recompute)
+    apply_recompute(model, ex.recompute)
 
     if ex.ddp_reduces:
         group = _dp_mesh(mesh).get_group()

@@ -5,8 +5,10 @@ autograd saves per block, and hand back a `ModelSpec` (pure data)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +19,18 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..model_source import is_builtin_gpt  # noqa: F401 - re-exported for the driver
+from ..planning.model_math import RECOMPUTE_MODES
 from ..planning.model_spec import ModelSpec
-from .models import block_list, build_model, factory_name, heads_of, logits_of, pipeline_ends, tp_plan
+from .models import (
+    apply_recompute,
+    block_list,
+    build_model,
+    factory_name,
+    heads_of,
+    logits_of,
+    pipeline_ends,
+    tp_plan,
+)
 
 
 def distinct_params(module: nn.Module) -> int:
@@ -45,16 +57,16 @@ def _tp_sharded(model: nn.Module, plan: dict[str, str] | None) -> int:
 @contextlib.contextmanager
 def _fused_attention() -> Iterator[None]:
     """Route unmasked scaled_dot_product_attention to the fused (flash) kernel, which has a meta
-    implementation and keeps only q, k, v, the output and its log-sum-exp for backward."""
+    implementation and keeps only q, k, v, the output and its log-sum-exp for backward, as the
+    fused kernels of a real run (flash, memory-efficient, CPU flash) do."""
     original = F.scaled_dot_product_attention
 
     def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if attn_mask is not None:
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
-        if enable_gqa and k.shape[-3] != q.shape[-3]:
-            rep = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+        # The CPU kernel takes fewer key/value heads as they are (grouped-query attention), as a
+        # real run does: repeating them here would count copies no real run keeps.
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
                                                                           scale=scale)[0]
 
@@ -65,8 +77,104 @@ def _fused_attention() -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+@dataclass(frozen=True)
+class _Activations:
+    """fp32 bytes of one sequence, as MemTracker counts them on the meta device."""
+
+    block: float
+    """What one block keeps for backward at the end of forward."""
+    root: float
+    """What the rest keeps: embedding, final norm, output head, the loss's log-probabilities."""
+    transient: float
+    """The most that backward holds at once on top of what forward kept (gradient temporaries,
+    the recomputed block), weight gradients left out."""
+
+
+def _loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    # The runtime's loss (`Trainer._loss`): cross-entropy of the logits in fp32.
+    logits = logits_of(model(ids))
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids.reshape(-1))
+
+
+def _tracked_run(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    """(activation bytes alive at the end of forward, peak activation and temporary bytes of
+    the iteration) of one forward and backward on the meta device, by MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    dev = ids.device
+    with _fused_attention(), tracker:
+        loss = _loss_of(model, ids)
+        kept = tracker.get_tracker_snapshot("current").get(dev, {}).get(_MemRefType.ACT, 0)
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak").get(dev, {})
+    return float(kept), float(peak.get(_MemRefType.ACT, 0) + peak.get(_MemRefType.TEMP, 0))
+
+
+def _cut(model: nn.Module, keep: int) -> nn.Module:
+    """A copy of the meta-device `model` with its block list cut to its first `keep` blocks
+    (a copy costs far less than building the model again)."""
+    copy_ = copy.deepcopy(model)
+    del block_list(copy_)[keep:]
+    return copy_
+
+
+def _activation_profile(model: nn.Module, seq: int, recompute: str) -> _Activations:
+    """Activation bytes of one sequence under `recompute`, with the runtime's checkpointing and
+    the fused attention kernel of a real run: the model cut to one block and to two, so that
+    their difference is one block and the rest is everything outside the blocks."""
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    runs = []
+    for keep in (1, 2):
+        cut = _cut(model, keep)
+        if len(block_list(cut)) < keep:
+            break  # a one-block model: its block and its root cannot be told apart
+        apply_recompute(cut, recompute)
+        runs.append(_tracked_run(cut, ids))
+    if len(runs) == 1:
+        kept, peak = runs[0]
+        return _Activations(block=kept, root=0.0, transient=max(0.0, peak - kept))
+    (kept1, peak1), (kept2, peak2) = runs
+    block = kept2 - kept1
+    return _Activations(block=block, root=kept1 - block, transient=max(0.0, peak2 - kept2, peak1 - kept1))
+
+
+def _narrowed(model: nn.Module, plan: dict[str, str], tp: int) -> None:
+    """Cut the Linears the plan names as one tensor-parallel rank of `tp` holds them:
+    column-parallel ones to 1/tp of their outputs, row-parallel ones to 1/tp of their inputs."""
+    for name, mod in model.named_modules():
+        style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if style is None or not isinstance(mod, nn.Linear):
+            continue
+        out, inp = mod.weight.shape
+        shape = (out // tp, inp) if style == "colwise" else (out, inp // tp)
+        mod.weight = nn.Parameter(torch.empty(shape, device="meta"))
+        if style == "colwise" and mod.bias is not None:
+            mod.bias = nn.Parameter(torch.empty(out // tp, device="meta"))
+
+
+def _tp_activation_fraction(model: nn.Module, seq: int, plan: dict[str, str] | None,
+                            block: float) -> float | None:
+    """Fraction of a block's kept activations that tensor parallelism splits: one block is
+    measured whole and as one rank of tp=2 holds it (the planned Linears narrowed, heads and
+    widths halved); what halves is the sharded part. None without a plan or where the halved
+    block does not run (an odd head count)."""
+    if not plan or block <= 0:
+        return None
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    sizes = []
+    for tp in (1, 2):
+        cut = _cut(model, 1)
+        if tp > 1:
+            _narrowed(cut, plan, tp)
+        try:
+            sizes.append(_tracked_run(cut, ids)[0])
+        except Exception:  # noqa: BLE001 - a block that cannot be halved keeps the default split
+            return None
+    whole, half = sizes
+    # kept = outside + replicated + sharded / tp: halving tp removes half of the sharded part.
+    return min(1.0, max(0.0, 2 * (whole - half) / block))
 
 
 def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab_needed: int = 256) -> ModelSpec:
@@ -81,51 +189,32 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     blocks = block_list(model)
     n = len(blocks)
     block_params = sum(distinct_params(b) for b in blocks) // n
-    seen: dict[str, Any] = {"hidden": None, "inside": False, "bytes": 0.0, "keys": set(), "alive": []}
+    seen: dict[str, Any] = {"hidden": None}
 
     def pre(mod, args, kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
         seen["hidden"] = x.shape[-1] if isinstance(x, torch.Tensor) else None
-        seen["inside"] = True
-
-    def post(mod, args, out):
-        seen["inside"] = False
-
-    def pack(t: torch.Tensor):
-        # Only what the first block saves, each storage once, weights excluded: activations.
-        key = _storage_key(t)
-        if seen["inside"] and key not in weights and key not in seen["keys"]:
-            seen["keys"].add(key)
-            seen["alive"].append(t)  # held, so no later storage can take this one's address
-            seen["bytes"] += t.untyped_storage().nbytes()
-        return t
 
     plan = tp_plan(model)
     tp_sharded = _tp_sharded(model, plan)
     named = sum(1 for _ in model.named_parameters(remove_duplicate=False))
-    # The blocks repeat, so one is measured: the forward runs with the list cut to its first block
-    # (an op under FlopCounterMode on meta tensors costs milliseconds; a 70B model has 80 blocks).
+    # The blocks repeat, so one or two are measured: the forward runs with the list cut to its
+    # first blocks (an op on meta tensors costs milliseconds; a 70B model has 80 blocks).
+    del blocks[2:]
+    two = copy.deepcopy(model)
     del blocks[1:]
-    # Keys of the weights left: a storage freed with the cut blocks may be reused by an activation.
-    weights = {_storage_key(p) for p in model.parameters()}
     h1 = blocks[0].register_forward_pre_hook(pre, with_kwargs=True)
-    h2 = blocks[0].register_forward_hook(post)
     seq = m.block_size
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
     try:
         with counter:
             out = model(ids)
-        # Activations in a second pass, with the fused attention kernel a real run uses (meta
-        # tensors take the math path, which keeps the s x s attention matrix a real run does not).
-        with _fused_attention(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(ids)
     except Exception as e:  # noqa: BLE001 - the user's forward, reported in one line
         raise ConfigError(f"key 'model.factory': the forward of {name} on token ids [1, {seq}] failed: "
                           f"{type(e).__name__}: {e}") from e
     finally:
         h1.remove()
-        h2.remove()
     logits = logits_of(out) if isinstance(out, torch.Tensor) or hasattr(out, "logits") else None
     if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, seq):
         got = tuple(logits.shape) if logits is not None else type(out).__name__
@@ -135,6 +224,19 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     if vocab < vocab_needed:
         raise ConfigError(f"key 'model.args': the model's vocabulary ({vocab} logits) is smaller than the data's "
                           f"{vocab_needed} tokens (largest token id {vocab_needed - 1})")
+    try:
+        activations = {"none": _activation_profile(two, seq, "none")}
+        for rc in RECOMPUTE_MODES[1:]:
+            try:
+                activations[rc] = _activation_profile(two, seq, rc)
+            except Exception:  # noqa: BLE001 - priced as without recomputation, an upper bound
+                # A forward that cannot be re-run as checkpointing does (a Hugging Face model's
+                # KV cache grows again when attention re-runs) keeps at most what it keeps whole.
+                activations[rc] = activations["none"]
+        tp_activations = _tp_activation_fraction(two, seq, plan, activations["none"].block)
+    except Exception as e:  # noqa: BLE001 - the user's forward or backward, reported in one line
+        raise ConfigError(f"key 'model.factory': forward and backward of {name} on token ids [1, {seq}] under "
+                          f"MemTracker failed: {type(e).__name__}: {e}") from e
     counts = counter.get_flop_counts()
     path = _block_path(model, blocks) + ".0"
     # FlopCounterMode names modules by their path under the root's class name ("Llama.layers.0").
@@ -147,8 +249,10 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         root_params=params - n * block_params, hidden=hidden, heads=heads or 1, kv_heads=kv_heads or 1,
         vocab=vocab, seq=seq, forward_flops_per_token=(counter.get_total_flops() + (n - 1) * block_flops) / seq,
         block_forward_flops_per_token=block_flops / seq,
-        # Measured in the fp32 the meta model holds; the spec states 16-bit values.
-        block_activation_bytes=seen["bytes"] * 2 / logits.element_size(),
+        block_activation_bytes={rc: a.block for rc, a in activations.items()},
+        root_activation_bytes=activations["none"].root,
+        backward_transient_bytes={rc: a.transient for rc, a in activations.items()},
+        tp_sharded_activation_fraction=tp_activations,
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
         tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
     )

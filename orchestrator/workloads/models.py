@@ -136,6 +136,23 @@ def tp_plan(model: nn.Module) -> dict[str, str] | None:
     return dict(plan)
 
 
+def apply_recompute(model: nn.Module, recompute: str) -> None:
+    """Wrap the repeated blocks (full) or their attention (selective) in non-reentrant activation
+    checkpointing; a block without an attention submodule is wrapped whole. The runtime applies
+    it after tensor parallelism; the measurement of a model applies it on the meta device."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if recompute == "none":
+        return
+    for blocks, key in block_slots(model):
+        block = blocks[key]
+        found = attention_of(block) if recompute == "selective" else None
+        if found is None:
+            blocks[key] = checkpoint_wrapper(block)
+        else:
+            setattr(block, found[0], checkpoint_wrapper(found[1]))
+
+
 def attention_of(block: nn.Module) -> tuple[str, nn.Module] | None:
     """(name, module) of a block's attention child (`attn`, `attention`, `self_attn`, ...), or None."""
     for name, child in block.named_children():

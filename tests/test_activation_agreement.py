@@ -1,0 +1,54 @@
+"""The planner's activation and peak bytes per rank agree with torch's own tracker.
+
+The built-in GPT (priced by counting what its layers keep under fused attention) and a Llama
+of the family (priced by what `workloads.inspect` measured on the meta device) run on CPU in
+fp32 under `MemTracker`, one warm-up iteration and one tracked one, with the runtime's
+checkpointing for each recompute mode (`benchmarks/activation_memory.py`, small shapes): the
+activations alive at the end of forward and the iteration's peak must both be within 10% of
+the plan.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import activation_memory  # noqa: E402
+
+TOLERANCE = 0.10
+SEQ, BATCH, LAYERS, WIDTH = 128, 4, 2, 64
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_planned_activations_and_peak_match_memtracker(model, recompute):
+    pytest.importorskip("torch")
+    row = activation_memory.one(model, activation_memory.model_overrides(model, LAYERS, WIDTH), SEQ, BATCH,
+                                recompute)
+    assert row["predicted_activations"] == pytest.approx(row["measured_activations"], rel=TOLERANCE), row
+    assert row["predicted_peak"] == pytest.approx(row["measured_peak"], rel=TOLERANCE), row
+    # Activations dominate these shapes, so the peak check is not carried by the model states alone.
+    assert row["measured_activations"] > 0.3 * row["measured_peak"] or recompute == "full", row
+
+
+def test_the_tensor_parallel_split_of_activations_follows_the_model():
+    pytest.importorskip("torch")
+    from orchestrator.config import ModelConfig
+    from orchestrator.workloads.inspect import model_spec
+
+    dim, heads, kv_ratio, ffn = 64, 4, 2 / 4, 160
+    args = {"dim": dim, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "ffn_dim": ffn}
+    spec = model_spec(ModelConfig(factory="orchestrator.workloads.llama:build", args=args, block_size=64))
+    # A Llama block keeps, in values of s x h: whole on every rank the input, both RMSNorms'
+    # normalised input and output (2 each), the residual after attention and the rotary cos and
+    # sin of q and k (4 x s x head_dim); split by the plan q (1), k and v (kv_heads / heads
+    # each), the attention output (1) and the four SwiGLU tensors of width ffn (gate, up, SiLU,
+    # product).
+    whole, split = 6 + 4 / heads, 2 + 2 * kv_ratio + 4 * ffn / dim
+    assert spec.tp_sharded_activation_fraction == pytest.approx(split / (whole + split), rel=0.03)
+    # The GPT's split (12 of 16) would be wrong for it.
+    assert abs(spec.tp_sharded_activation_fraction - 12 / 16) > 0.03
