@@ -9,6 +9,17 @@ own algorithms on CPU, NCCL's ring and tree on GPUs), and their predictions of
 all-reduce, reduce-scatter and all-gather from 4 KiB to 256 MiB (16 MiB with --quick) are set
 against the times of the same collectives. Goal: mean relative error under 15%.
 Writes benchmarks/results/cost_model.json.
+
+    sudo python benchmarks/cost_model.py --quick --shaped 0.2:0,1:0,5:0 [--per-node 2]
+
+On shaped links instead (`orchestrator.testbed`; root): two ranks, one per network namespace,
+whose every collective crosses a link of G Gbit/s (M ms of delay only where the kernel has
+`netem`), priced from the probe's ping-pong across it (results/cost_model_shaped.json); with
+`--per-node 2`, two namespaces of two ranks each, priced from the probe's in-node ping-pong and
+its all-reduce between the nodes, as `probe --measure` measures a cluster: DDP's all-reduce
+flat and hierarchical (the runtime's own hook), and the reduce-scatter and all-gather the
+sharded strategies (zero2, zero3, hsdp's shard group) run over all four ranks
+(results/cost_model_shaped_2x2.json).
 """
 
 from __future__ import annotations
@@ -241,6 +252,132 @@ def measure_shaped(gbit: float, ms: float, sizes: list[int], probe_sizes: list[i
     return raw
 
 
+# Ops of the two-level run: the data-parallel all-reduce as DDP runs it (one ring through all
+# ranks, or the hierarchical hook), and the sharded strategies' reduce-scatter and all-gather.
+OPS_2X2 = ("all_reduce flat", "all_reduce hierarchical", "reduce_scatter", "all_gather")
+_MAX_ITERS_2X2 = 8
+
+
+def _rank_2x2(rank: int, port: int, sizes: list[int], probe_sizes: list[int], out: str, master: str) -> None:
+    """One of 4 processes, 2 per namespace: the probe's figures for the in-node pair (ping-pong)
+    and for the network (the all-reduce between two nodes' first ranks, as `probe --measure`
+    times it), then each op of OPS_2X2 over all 4 ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from orchestrator.runtime.comm_hooks import build_hierarchy, hierarchical_all_reduce
+    from orchestrator.topology.measure import BenchWorker, fit_alpha_beta
+
+    world, nodes = 4, ["n0", "n0", "n1", "n1"]
+    worker = BenchWorker(False)
+    worker.setup(rank, world, f"{master}:{port}", None, None)
+    state = build_hierarchy(dist.group.WORLD, nodes)
+    if rank < 2:
+        worker.pingpong(1 - rank, rank == 0, probe_sizes)  # first exchanges: lazily built buffers
+        intra = worker.pingpong(1 - rank, rank == 0, probe_sizes)
+    dist.barrier()
+    leaders = [0, 2]
+    net = worker.allreduce(leaders, probe_sizes)
+    dist.barrier()
+
+    def timed(op: str, nbytes: int) -> float:
+        n = nbytes // 4 - (nbytes // 4) % world
+        full, part = torch.ones(n), torch.ones(n // world)
+        times = []
+        for it in range(_WARMUP + max(_MIN_ITERS, min(_MAX_ITERS_2X2, _BYTES_PER_SIZE // 8 // nbytes))):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if op == "all_reduce flat":
+                dist.all_reduce(full)
+            elif op == "all_reduce hierarchical":
+                hierarchical_all_reduce(full, state).wait()
+            elif op == "reduce_scatter":
+                dist.reduce_scatter_tensor(part, full)
+            else:
+                dist.all_gather_into_tensor(full, part)
+            if it >= _WARMUP:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    measured = [timed(op, s) for op in OPS_2X2 for s in sizes]
+    flat = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        values = flat.tolist()
+        moved = [s * 2 * (len(leaders) - 1) / len(leaders) for s in probe_sizes]
+        f_intra, f_net = fit_alpha_beta(probe_sizes, intra), fit_alpha_beta(moved, net)
+        Path(out).write_text(json.dumps({
+            "intra": {"latency_us": f_intra.latency_us, "bandwidth_gbps": f_intra.bandwidth_gbps},
+            "network": {"latency_us": f_net.latency_us, "bandwidth_gbps": f_net.bandwidth_gbps},
+            "measured": {op: values[i * len(sizes):(i + 1) * len(sizes)] for i, op in enumerate(OPS_2X2)},
+        }))
+    worker.close()
+
+
+def predict_2x2(op: str, nbytes: int, intra: dict[str, float], network: dict[str, float]) -> float:
+    """The planner's time of an op of OPS_2X2 over 2 nodes x 2 ranks whose links are the probe's
+    figures, through the same `GroupLinks` that `planning.cost.group_links` builds."""
+    from orchestrator.planning.comm import GroupLinks, group_all_gather, group_all_reduce, group_reduce_scatter
+    from orchestrator.planning.gpus import CPU_SLOT
+
+    links = GroupLinks(size=4, per_node=2, intra_gbps=intra["bandwidth_gbps"], intra_lat_us=intra["latency_us"],
+                       inter_gbps=network["bandwidth_gbps"], inter_lat_us=network["latency_us"],
+                       gloo_mem_gbps=CPU_SLOT.mem_gbps)
+    if op.startswith("all_reduce"):
+        return group_all_reduce(nbytes, links, op.split()[1])[0]
+    return group_reduce_scatter(nbytes, links) if op == "reduce_scatter" else group_all_gather(nbytes, links)
+
+
+def measure_shaped_2x2(gbit: float, ms: float, sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
+    """Four ranks, two in each of two namespaces joined by a link of `gbit` Gbit/s."""
+    import os
+    import subprocess
+    import sys
+
+    from orchestrator.testbed.network import NetworkSpec, Shaping, create, remove
+
+    spec = NetworkSpec(prefix="orchcm-", subnet="198.18.1.0/24")
+    create(spec, 2, Shaping(gbit, ms))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "cost.json")
+            code = ("import sys; sys.path[:0] = [{bench!r}, {root!r}]; from cost_model import _rank_2x2; "
+                    "_rank_2x2({{r}}, 29513, {sizes}, {probe}, {out!r}, {master!r})").format(
+                        bench=str(Path(__file__).parent), root=str(Path(__file__).parent.parent), sizes=list(sizes),
+                        probe=list(probe_sizes), out=out, master=spec.address(0))
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+            procs = [subprocess.Popen(["ip", "netns", "exec", spec.node_ns(r // 2), sys.executable, "-c",
+                                       code.replace("{r}", str(r))], env=env) for r in range(4)]
+            if any(p.wait() != 0 for p in procs):
+                raise RuntimeError(f"a rank failed on the {gbit} Gbit/s, {ms} ms link")
+            return json.loads(Path(out).read_text())
+    finally:
+        remove(spec.prefix)
+
+
+def shaped_2x2(shapings: list[tuple[float, float]], sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
+    """Prediction error of the data-parallel collectives of 2 nodes x 2 ranks over each shaped
+    link, priced from the probe's figures (nothing fitted to the collectives)."""
+    runs = []
+    for gbit, ms in shapings:
+        raw = measure_shaped_2x2(gbit, ms, sizes, probe_sizes)
+        rows = []
+        for op in OPS_2X2:
+            for size, meas in zip(sizes, raw["measured"][op]):
+                pred = predict_2x2(op, size, raw["intra"], raw["network"])
+                rows.append({"op": op, "bytes": size, "measured_s": meas, "predicted_s": pred,
+                             "error": rel_error(pred, meas)})
+        errors = {op: statistics.fmean(r["error"] for r in rows if r["op"] == op) for op in OPS_2X2}
+        runs.append({"inter_gbit": gbit, "inter_ms": ms, "probe_gbit": raw["network"]["bandwidth_gbps"] * 8,
+                     "probe_latency_us": raw["network"]["latency_us"], "intra": raw["intra"], "rows": rows,
+                     "mean_error": statistics.fmean(r["error"] for r in rows), "per_op": errors})
+        print(f"2x2, {gbit} Gbit/s {ms} ms: probe {runs[-1]['probe_gbit']:.3g} Gbit/s, mean error "
+              f"{runs[-1]['mean_error']:.1%} ({', '.join(f'{k} {v:.0%}' for k, v in errors.items())})", flush=True)
+    mean = statistics.fmean(r["mean_error"] for r in runs)
+    return {"layout": "2 nodes x 2 ranks", "shapings": runs, "mean_error": mean,
+            "goal": {"mean_error_below": GOAL_MEAN_ERROR, "met": mean < GOAL_MEAN_ERROR}}
+
+
 def shaped(shapings: list[tuple[float, float]], sizes: list[int], probe_sizes: list[int]) -> dict[str, Any]:
     """Prediction error of collectives between two nodes over each shaped link, the link priced
     from the measured probe's ping-pong across it (nothing fitted to the collectives)."""
@@ -271,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: NCCL when there is a GPU per rank, else gloo")
         ap.add_argument("--shaped", metavar="G:M,...", default=None,
                         help="instead: two ranks in network namespaces over links of G Gbit/s and M ms (root)")
+        ap.add_argument("--per-node", type=int, choices=(1, 2), default=1,
+                        help="with --shaped: 2 runs 2 ranks in each namespace (flat and hierarchical all-reduce, "
+                             "reduce-scatter and all-gather over all 4)")
 
     args = parse_args(__doc__, argv, extra)
     backend = args.backend
@@ -287,6 +427,19 @@ def main(argv: list[str] | None = None) -> int:
             shapings = [(float(g), float(m)) for g, m in (x.split(":") for x in args.shaped.split(","))]
         except ValueError:
             raise SystemExit(f"--shaped {args.shaped!r}: expected G:M pairs, e.g. 0.2:0.1,1:1,5:5") from None
+        if args.per_node == 2:
+            result = shaped_2x2(shapings, sizes, probe_sizes)
+            result["seconds"] = time.perf_counter() - t0
+            print_table("collectives of 2 shaped nodes x 2 ranks: planner's prediction vs measured",
+                        ["link", "probe", "op", "size", "measured ms", "predicted ms", "error %"],
+                        [[f"{r['inter_gbit']} Gbit/s", f"{r['probe_gbit']:.3g} Gbit/s", row["op"],
+                          _size(row["bytes"]), row["measured_s"] * 1e3, row["predicted_s"] * 1e3, row["error"] * 100]
+                         for r in result["shapings"] for row in r["rows"]],
+                        caption=f"mean error {result['mean_error']:.1%} (goal < {GOAL_MEAN_ERROR:.0%})")
+            args.out = args.out or Path(__file__).parent / "results" / "cost_model_shaped_2x2.json"
+            out = write_result("cost_model_shaped", result, args)
+            print(f"wrote {out}")
+            return 0
         result = shaped(shapings, sizes, probe_sizes)
         result["seconds"] = time.perf_counter() - t0
         print_table("collectives between two shaped nodes: planner's prediction vs measured",

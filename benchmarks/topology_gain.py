@@ -1,30 +1,42 @@
 """Topology gain, measured: the aware plan against the equal-links plan on a shaped cluster.
 
-    sudo python benchmarks/topology_gain.py --nodes 2 --per-node 2 --inter-gbit 1 --inter-ms 1 [--steps 30]
+    sudo python benchmarks/topology_gain.py --nodes 2 --per-node 2 --inter-gbit G --inter-ms M [--quick]
 
 Builds a local cluster of N Ray nodes, each in its own network namespace, whose links to each
-other are shaped to G Gbit/s and M ms one way (`orchestrator.testbed`); loopback inside a node
-stays unshaped. Inside the head's namespace it runs `probe --measure` (the inter-node link as
-the probe measures it), then trains one job twice with `submit`:
+other are shaped to G Gbit/s (`orchestrator.testbed`); loopback inside a node stays unshaped.
+M ms of one-way delay is added only where the kernel has `sch_netem`; where it has not (the
+run says so, and the JSON records `delay_applied: false`), the link has its rate and the
+latency of the namespaces' own path, nothing else. Inside the head's namespace it runs
+`probe --measure` (the inter-node link as the probe measures it), then trains one job with
+`submit` under two plans:
 
 * aware: the plan made from the measured topology;
 * blind: the plan the same search makes when it sees every link alike: the inter-node link
   given the intra-node link's measured bandwidth and latency (the equal-links baseline of
   `placement_gain.py`), its choice then run on the real, shaped cluster.
 
-Ray Train's default rank order (rank i on node i // K) is the order both runs use on CPU
-slots, so it is not run separately. The job: a GPT with a large vocabulary and a small body
-(n_embd 256, 2 layers, vocab 50304, 64-token blocks): its 16M parameters make 64 MB of fp32
-gradients per step against little compute, so the step is decided by how gradients cross the
-slow link, which is the wiring question (on a GPU cluster the same ratio holds for a large model
-over a slow network). The median steady step time of each run (the first steps dropped) and the
-planner's predicted step time for the aware plan are reported; the last line printed is one
-JSON object. Writes benchmarks/results/topology_gain.json (or --out). Needs root (namespaces).
+The two alternate (aware, blind, then blind, aware, ...) for `--rounds` rounds, so that a
+host whose load drifts slows both alike; each plan's figure is the median of its steady steps
+(the first of every run dropped) over all its rounds.
+
+The job is one whose plan the wiring decides: a GPT with a large vocabulary and a small body
+(n_embd 256, 2 layers, vocab 50304, 32-token blocks, 2 sequences per rank). Its 16M
+parameters make 64 MB of fp32 gradients per step against a few hundred milliseconds of
+compute, so the step is decided by how gradients cross the slow link. Over equal links a flat
+ring all-reduce is the cheapest (one collective, no extra in-node steps); over a slow network
+the aware plan reduce-scatters inside each node first, so only 1/K of the gradient crosses the
+network from each rank (per node, n bytes out instead of a flat ring's 2(p-1)/p n). Tensor
+parallelism is pinned off (`parallel.tp=1`): splitting a 256-wide layer over CPU slots buys
+nothing, and it is the data-parallel sync this measures. The planner's predicted step time of
+each plan on the measured cluster is reported beside the measured one; the last line printed
+is one JSON object. Writes benchmarks/results/topology_gain_<G>gbit.json (or --out). Needs
+root (namespaces).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,17 +46,22 @@ from typing import Any
 
 from _common import ROOT, parse_args, print_table, rel_error, write_result
 
-MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=256", "model.vocab_size=50304", "model.block_size=32"]
-WARMUP_STEPS = 5  # lazily built buffers, first gloo connections, the allocator
+JOB = ROOT / "jobs" / "llm.yaml"
+MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=256", "model.vocab_size=50304", "model.block_size=32",
+         "parallel.tp=1"]
+SEQUENCES_PER_RANK = 2
+# Dropped from every run: lazily built buffers, the first gloo connections, the allocator.
+WARMUP_STEPS = 2
 
 
 def _extra(ap) -> None:
     ap.add_argument("--nodes", type=int, default=2, help="Ray nodes, one network namespace each")
     ap.add_argument("--per-node", type=int, default=2, help="CPU-slot workers per node")
-    ap.add_argument("--inter-gbit", type=float, default=1.0, help="inter-node link, Gbit/s per direction")
-    ap.add_argument("--inter-ms", type=float, default=1.0, help="inter-node one-way delay, ms")
-    ap.add_argument("--steps", type=int, default=25, help="training steps per run")
-    ap.add_argument("--batch", type=int, default=4, help="global batch size (sequences)")
+    ap.add_argument("--inter-gbit", type=float, default=0.2, help="inter-node link, Gbit/s per direction")
+    ap.add_argument("--inter-ms", type=float, default=0.0,
+                    help="inter-node one-way delay, ms (applied only where the kernel has netem)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 10, --quick 6)")
+    ap.add_argument("--rounds", type=int, default=None, help="aware/blind pairs of runs (default 3, --quick 1)")
 
 
 def _in_head(cluster, args: list[str], env: dict[str, str]) -> str:
@@ -53,15 +70,39 @@ def _in_head(cluster, args: list[str], env: dict[str, str]) -> str:
 
 
 def _submit(cluster, env: dict[str, str], runs: Path, overrides: list[str]) -> dict[str, Any]:
-    _in_head(cluster, ["submit", str(ROOT / "jobs" / "llm.yaml"), *overrides, f"monitor.runs_dir={runs}"], env)
-    run = sorted(runs.glob("*/"), key=lambda p: p.stat().st_mtime)[-1]
+    runs.mkdir(parents=True, exist_ok=True)
+    before = set(runs.iterdir())
+    _in_head(cluster, ["submit", str(JOB), *overrides, f"monitor.runs_dir={runs}"], env)
+    (run,) = set(runs.iterdir()) - before
     plan = json.loads((run / "plan.json").read_text())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step_s"] for r in rows if r.get("step_s") is not None][WARMUP_STEPS:]
     return {"run_dir": str(run), "strategy": plan["strategy"], "mesh": plan["mesh"],
-            "sync": plan.get("sync", {}).get("algorithm"),
-            "predicted_step_s": plan["step_time"]["total_s"],
-            "measured_step_s": statistics.median(steps) if steps else None, "steps_timed": len(steps)}
+            "sync": plan.get("sync", {}).get("algorithm"), "micro_batch_size": plan.get("micro_batch_size"),
+            "recompute": plan.get("recompute"), "predicted_step_s": plan["step_time"]["total_s"], "steps": steps}
+
+
+def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]) -> dict[str, Any]:
+    """The planner's step time of a run's plan on the measured cluster: the plan's own strategy,
+    mesh, micro-batch, recomputation and all-reduce schedule, priced by `cost.estimate` on the
+    topology the probe measured (how `placement_gain.py` prices its equal-links plan)."""
+    from orchestrator.choices import Recompute, Strategy, SyncAlgorithm
+    from orchestrator.config import load_config
+    from orchestrator.planning.cost import Choice, estimate
+    from orchestrator.planning.layout import Wirings, cluster_layout
+    from orchestrator.planning.mesh import Mesh
+    from orchestrator.planning.plan import job_context
+    from orchestrator.topology.model import ClusterTopology
+
+    topo = ClusterTopology.from_dict(topology)
+    ctx = job_context(load_config(str(JOB), overrides), topo)
+    m = run["mesh"]
+    mesh = Mesh(int(m["dp_replicate"]), int(m["dp_shard"]), int(m["tp"]))
+    choice = Choice(Strategy(run["strategy"]), mesh, int(run["micro_batch_size"]), Recompute(run["recompute"]),
+                    algorithm=SyncAlgorithm(run["sync"]))
+    e = estimate(ctx, cluster_layout(Wirings.of(topo), mesh), choice)
+    return {"step_s": e.total_s, "compute_s": e.compute_s, "comm_s": e.comm_s, "comm_parts": e.comm_parts,
+            "schedule": e.schedule}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.testbed.cluster import ClusterSpec, ShapedCluster
     from orchestrator.testbed.network import Shaping
 
+    steps = args.steps or (6 if args.quick else 10)
+    rounds = args.rounds or (1 if args.quick else 3)
     t0 = time.perf_counter()
     spec = ClusterSpec(nodes=args.nodes, slots_per_node=args.per_node, shaping=Shaping(args.inter_gbit, args.inter_ms))
+    loads = []
     with tempfile.TemporaryDirectory(prefix="topology-gain-") as tmp, ShapedCluster(spec) as cluster:
         env = {"ORCHESTRATOR_MEASURE_CACHE": f"{tmp}/measure"}
+        delay = ("applied" if cluster.delay_applied else
+                 "NOT applied: this kernel has no netem, so the link has its rate and no added delay")
         print(f"shaped cluster up: {args.nodes} nodes x {args.per_node} slots, {args.inter_gbit} Gbit/s, "
-              f"{args.inter_ms} ms one way (delay {'applied' if cluster.delay_applied else 'NOT applied: no netem'})",
-              flush=True)
+              f"{args.inter_ms} ms one way (delay {delay})", flush=True)
         probe = json.loads(_in_head(cluster, ["probe", "--measure", "--json", "--address", "auto"], env))
         net = probe["network"]
         intra = [l for n in probe["nodes"] for l in n.get("links", []) if l.get("measured")]
@@ -84,30 +129,60 @@ def main(argv: list[str] | None = None) -> int:
         measured_gbit = net["bandwidth_gbps"] * 8
         print(f"probe: inter-node {measured_gbit:.3g} Gbit/s, {net['latency_us']:.0f} us; "
               f"intra-node {intra_gbps} GB/s, {intra_lat} us", flush=True)
-        common = [*MODEL, f"train.global_batch_size={args.batch}", f"train.max_steps={args.steps}",
-                  f"train.eval_interval={args.steps}", "train.eval_iters=1", "checkpoint.enabled=false",
-                  "monitor.progress=false", "monitor.dashboard=false", "cluster.address=auto",
-                  f"cluster.num_workers={args.per_node}", "cluster.measure=true"]
-        runs = Path(tmp) / "runs"
-        aware = _submit(cluster, env, runs / "aware", common)
-        print(f"aware: {aware}", flush=True)
-        blind = _submit(cluster, env, runs / "blind", [*common, f"cluster.inter_node_gbps={intra_gbps}",
-                                                        f"cluster.inter_node_latency_us={intra_lat}"])
-        print(f"blind: {blind}", flush=True)
-    rows = [[name, r["strategy"], r["sync"], r["predicted_step_s"], r["measured_step_s"]]
-            for name, r in (("aware (measured links)", aware), ("blind (equal links)", blind))]
-    print_table(f"{args.nodes}x{args.per_node} CPU slots, inter-node {args.inter_gbit} Gbit/s {args.inter_ms} ms",
-                ["plan", "strategy", "sync", "predicted step s", "measured step s"], rows,
-                caption="Ray's default rank order equals both runs' order on CPU slots")
-    a, b, p = aware["measured_step_s"], blind["measured_step_s"], aware["predicted_step_s"]
-    summary = {"nodes": args.nodes, "per_node": args.per_node, "inter_gbit": args.inter_gbit, "inter_ms": args.inter_ms,
-               "delay_applied": cluster.delay_applied, "measured_inter_gbit": measured_gbit,
-               "measured_inter_latency_us": net["latency_us"], "aware_step_s": a, "blind_step_s": b,
-               "predicted_aware_step_s": p, "speedup": b / a if a and b else None,
-               # the runs are sequential: a host busy with other work skews one against the other
-               "load_average_at_end": __import__("os").getloadavg()[0],
-               "predicted_error": rel_error(p, a) if a else None}
-    out = write_result("topology_gain", {**summary, "aware": aware, "blind": blind, "model": MODEL,
+        common = [*MODEL, f"train.global_batch_size={SEQUENCES_PER_RANK * args.nodes * args.per_node}",
+                  f"train.max_steps={steps}", f"train.eval_interval={steps}", "train.eval_iters=1",
+                  "checkpoint.enabled=false", "monitor.progress=false", "monitor.dashboard=false",
+                  "cluster.address=auto", f"cluster.num_workers={args.per_node}", "cluster.measure=true"]
+        plans = {"aware": common, "blind": [*common, f"cluster.inter_node_gbps={intra_gbps}",
+                                            f"cluster.inter_node_latency_us={intra_lat}"]}
+        runs: dict[str, list[dict[str, Any]]] = {"aware": [], "blind": []}
+        for r in range(rounds):
+            # Alternate which goes first, so a drift in the host's load favours neither.
+            for name in (("aware", "blind") if r % 2 == 0 else ("blind", "aware")):
+                run = _submit(cluster, env, Path(tmp) / "runs" / name, plans[name])
+                loads.append(os.getloadavg()[0])
+                runs[name].append(run)
+                print(f"round {r + 1}/{rounds} {name}: {run['strategy']} {run['mesh']} sync {run['sync']}, "
+                      f"median {statistics.median(run['steps']):.3f} s over {len(run['steps'])} steps, "
+                      f"load {loads[-1]:.1f}", flush=True)
+    result: dict[str, Any] = {}
+    for name in ("aware", "blind"):
+        first = runs[name][0]
+        all_steps = [s for run in runs[name] for s in run["steps"]]
+        result[name] = {k: first[k] for k in ("strategy", "mesh", "sync", "micro_batch_size", "recompute")}
+        result[name].update(measured_step_s=statistics.median(all_steps), steps_timed=len(all_steps),
+                            run_medians=[statistics.median(run["steps"]) for run in runs[name]],
+                            planned_step_s=first["predicted_step_s"],
+                            priced_on_measured=price_on(probe, common, first))
+    a, b = result["aware"]["measured_step_s"], result["blind"]["measured_step_s"]
+    pa = result["aware"]["planned_step_s"]
+    pb = result["blind"]["priced_on_measured"]["step_s"]
+    rows = [[name, r["strategy"], "x".join(str(v) for v in r["mesh"].values()), r["sync"], pred,
+             r["measured_step_s"], r["steps_timed"]]
+            for name, r, pred in (("aware (measured links)", result["aware"], pa),
+                                  ("blind (equal links)", result["blind"], pb))]
+    delay = "applied" if cluster.delay_applied else "none (no netem)"
+    print_table(f"{args.nodes}x{args.per_node} CPU slots, inter-node {args.inter_gbit} Gbit/s "
+                f"(probe: {measured_gbit:.3g} Gbit/s), delay {delay}",
+                ["plan", "strategy", "mesh", "sync", "predicted step s", "measured step s", "steps timed"], rows,
+                caption="mesh: dp_replicate x dp_shard x tp; predicted: the aware plan's own figure, the blind plan "
+                        "priced on the measured cluster; "
+                        f"measured: median over {rounds} interleaved runs each")
+    summary = {"nodes": args.nodes, "per_node": args.per_node, "inter_gbit": args.inter_gbit,
+               "inter_ms": args.inter_ms, "delay_applied": cluster.delay_applied,
+               "measured_inter_gbit": measured_gbit, "probe_error": rel_error(measured_gbit, args.inter_gbit)
+               if args.inter_gbit else None, "measured_inter_latency_us": net["latency_us"],
+               "aware_step_s": a, "blind_step_s": b, "speedup": b / a,
+               "predicted_aware_step_s": pa, "predicted_error": rel_error(pa, a),
+               "predicted_blind_step_s": pb, "predicted_blind_error": rel_error(pb, b),
+               "predicted_speedup": pb / pa, "load_average": [min(loads), max(loads)]}
+    out = args.out or ROOT / "benchmarks" / "results" / f"topology_gain_{args.inter_gbit:g}gbit.json"
+    args.out = out
+    arguments = list(argv if argv is not None else sys.argv[1:])
+    out = write_result("topology_gain", {**summary, **result, "arguments": arguments, "probe_topology": probe,
+                                         "model": MODEL, "rounds": rounds,
+                                         "steps_per_run": steps, "intra_node_gbps": intra_gbps,
+                                         "intra_node_latency_us": intra_lat,
                                          "seconds": time.perf_counter() - t0}, args)
     print(f"wrote {out}")
     print(json.dumps(summary))

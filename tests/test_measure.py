@@ -141,3 +141,13 @@ def test_two_nodes_time_the_network_with_all_reduce(tmp_path: Path) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_fit_reads_the_sustained_rate_of_a_link_that_passes_a_burst_at_once() -> None:
+    # A token bucket (tc's tbf, a NIC's coalescing) lets the first 96 KiB through at once and
+    # the rest at 62.5 MB/s: the rate is what the large messages see, not a line through all.
+    rate, burst, alpha = 62.5e6, 96 << 10, 150e-6
+    times = [alpha + max(0, s - burst) / rate for s in SIZES]
+    fit = fit_alpha_beta(SIZES, times)
+    assert fit.bandwidth_gbps == pytest.approx(rate / 1e9, rel=0.1)
+    assert 0 < fit.latency_us <= alpha * 1e6 * 1.01

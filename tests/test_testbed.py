@@ -4,6 +4,7 @@ skipped with the reason namespaces cannot be made."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -50,6 +51,34 @@ def test_a_shaped_link_carries_its_rate(clean, gbit):
     assert addrs == ["198.18.200.1", "198.18.200.2"]
     _, measured = tcp_link(SPEC, 0, 1, seconds=1.0)
     assert measured == pytest.approx(gbit, rel=0.25)
+
+
+_PROBE_RANK = """
+import json, sys
+sys.path.insert(0, {root!r})
+from orchestrator.topology.measure import QUICK_SIZES, BenchWorker, fit_alpha_beta
+rank = int(sys.argv[1])
+w = BenchWorker(False)
+w.setup(rank, 2, "{master}:29517", None, None)
+times = w.allreduce([0, 1], list(QUICK_SIZES))
+if rank == 0:
+    # what `probe --measure` fits for the network: a 2-node all-reduce moves its buffer each way
+    print(json.dumps(fit_alpha_beta(list(QUICK_SIZES), times).bandwidth_gbps * 8))
+w.close()
+"""
+
+
+@needs_netns
+def test_the_probe_measures_a_shaped_inter_node_link_within_a_quarter(clean):
+    gbit = 0.2
+    create(SPEC, 2, Shaping(gbit, 0.0))
+    code = _PROBE_RANK.format(root=str(ROOT), master=SPEC.address(0))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(["ip", "netns", "exec", SPEC.node_ns(r), sys.executable, "-c", code, str(r)],
+                              stdout=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    out = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert float(out[0].strip().splitlines()[-1]) == pytest.approx(gbit, rel=0.25)
 
 
 @needs_netns

@@ -36,6 +36,9 @@ FULL_SIZES = tuple(4 << (10 + 2 * k) for k in range(8))  # 4 KiB .. 64 MiB, x4 s
 _ITERS = 5
 _WARMUP = 2
 _READY_TIMEOUT_S = 120.0
+# A message this many times slower than the smallest one is dominated by its transfer, so
+# its time says what the link sustains (see fit_alpha_beta).
+TRANSFER_BOUND = 4.0
 _MEASURABLE_SOURCES = ("nvml", "nvidia-smi", "cpu")
 
 
@@ -49,23 +52,9 @@ class Fit:
     """beta: GB/s per direction once latency is paid."""
 
 
-def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> Fit:
-    """Least-squares fit of t(s) = alpha + s / beta to (bytes, seconds) samples.
-
-    Residuals are relative (weights 1/t) so the microsecond points are not drowned by the
-    millisecond ones. A negative intercept, which noise produces on fast links, is replaced by
-    the smallest message's time: latency cannot be less than zero nor more than that.
-    Raises ValueError when the series cannot be fitted (fewer than two sizes, or time not
-    growing with size).
-    """
-    if len(sizes) != len(seconds):
-        raise ValueError(f"sizes and times must pair up, got {len(sizes)} sizes and {len(seconds)} times")
-    if len(set(sizes)) < 2:
-        raise ValueError(f"a fit needs at least two message sizes, got {sorted(set(sizes))}")
-    if any(t <= 0 for t in seconds):
-        raise ValueError("every timing must be positive")
+def _weighted_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(a, b) of t = a + b s by least squares on relative residuals (weights 1/t)."""
     w = [1.0 / t for t in seconds]
-    # Weighted normal equations for t = a + b s with residual weights w.
     sw = sum(x * x for x in w)
     sx = sum(x * x * s for x, s in zip(w, sizes))
     sxx = sum(x * x * s * s for x, s in zip(w, sizes))
@@ -73,7 +62,38 @@ def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> 
     sxy = sum(x * x * s * t for x, s, t in zip(w, sizes, seconds))
     det = sw * sxx - sx * sx
     b = (sw * sxy - sx * sy) / det
-    a = (sy - b * sx) / sw
+    return (sy - b * sx) / sw, b
+
+
+def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> Fit:
+    """Least-squares fit of t(s) = alpha + s / beta to (bytes, seconds) samples.
+
+    Residuals are relative (weights 1/t) so the microsecond points are not drowned by the
+    millisecond ones. beta, the link's sustained rate, is read from the messages whose time
+    their transfer dominates (at least TRANSFER_BOUND times the smallest message's), where
+    there are two such sizes: a link that passes its first tens of KiB at once (a token
+    bucket's burst, a NIC's coalescing) makes the mid-sized messages look nearly free, and one
+    line through every size would then overrate the link by tens of percent. alpha is then
+    the intercept that fits every size best under that beta. A negative intercept, which
+    noise or such a burst produces, is replaced by the smallest message's time: latency
+    cannot be less than zero nor more than that. Raises ValueError when the series cannot be
+    fitted (fewer than two sizes, or time not growing with size).
+    """
+    if len(sizes) != len(seconds):
+        raise ValueError(f"sizes and times must pair up, got {len(sizes)} sizes and {len(seconds)} times")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a fit needs at least two message sizes, got {sorted(set(sizes))}")
+    if any(t <= 0 for t in seconds):
+        raise ValueError("every timing must be positive")
+    sizes, seconds = list(sizes), list(seconds)
+    a, b = _weighted_line(sizes, seconds)
+    bound = [(s, t) for s, t in zip(sizes, seconds) if t >= TRANSFER_BOUND * min(seconds)]
+    if len({s for s, _ in bound}) >= 2:
+        _, b_bound = _weighted_line([s for s, _ in bound], [t for _, t in bound])
+        if b_bound > 0:
+            b = b_bound
+            w2 = [1.0 / (t * t) for t in seconds]
+            a = sum(w * (t - b * s) for w, s, t in zip(w2, sizes, seconds)) / sum(w2)
     if b <= 0:
         raise ValueError("time does not grow with message size; the series is noise")
     if a <= 0:
@@ -397,6 +417,7 @@ def measure_cluster(
     use_gpu = all(n.devices[0].kind == "gpu" for n in measurable)
     ranks = _plan_ranks(ClusterTopology(nodes=measurable, network=cluster.network), to_measure)
     _start(ranks, use_gpu)
+    node_fits: list[tuple[NodeTopology, dict[tuple[int, int], Fit]]] = []
     try:
         for node in to_measure:
             rank_of = {r.device: i for i, r in enumerate(ranks) if r.node is node}
@@ -414,9 +435,15 @@ def measure_cluster(
                 except ValueError as e:
                     node.warnings.append(f"devices {a}-{b}: no fit ({e}); the table figure stands")
             apply_fits(node, fits)
-            timed = list(rank_of.items())
-            rates = ray.get([ranks[i].actor.matmul_tflops.remote() for _, i in timed])
-            _apply_tflops(node, {dev: r for (dev, _), r in zip(timed, rates) if r})
+            node_fits.append((node, fits))
+        # Every measured rank times its matmuls at once, as a training step computes on every
+        # rank at once: nodes that share a host's cores (co-located VMs, the namespaces of
+        # `orchestrator.testbed`) then show the rate each rank really gets; separate machines
+        # show their own rate either way.
+        timed = [(node, r.device, i) for node, _ in node_fits for i, r in enumerate(ranks) if r.node is node]
+        rates = ray.get([ranks[i].actor.matmul_tflops.remote() for _, _, i in timed])
+        for node, fits in node_fits:
+            _apply_tflops(node, {dev: rate for (n, dev, _), rate in zip(timed, rates) if n is node and rate})
             if fits:
                 _store(node, directory, quick, fits)
         if need_network:
