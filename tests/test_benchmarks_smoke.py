@@ -20,6 +20,7 @@ import cost_model  # noqa: E402
 import memory_model  # noqa: E402
 import placement_gain  # noqa: E402
 import runtime_overhead  # noqa: E402
+import step_time  # noqa: E402
 
 
 def test_write_result_records_machine_command_and_figures(tmp_path):
@@ -216,3 +217,22 @@ def test_checkpoint_cost_measures_both_modes_on_every_checkpoint(tmp_path):
 
     for mode in ("sync", "async"):
         assert checkpoint.verify(checkpoint.committed(str(tmp_path / mode))[-1])["step"] == 10
+
+
+@pytest.mark.parametrize("case", sorted(step_time.CASES))
+def test_step_time_cases_are_valid_jobs(case):
+    from orchestrator.config import load_config
+
+    cfg = load_config(str(step_time.JOB), [*step_time.COMMON, *step_time.CASES[case]])
+    assert cfg.cluster.num_workers == 2
+    assert (cfg.model.factory == "orchestrator.workloads.llama:build") == case.startswith("llama")
+
+
+def test_step_time_reads_predicted_and_measured_from_the_run_directory(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "step_time": {"total_s": 0.12}, "model": {"params": 1000}, "strategy": "ddp",
+        "mesh": {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1}, "micro_batch_size": 4}))
+    (tmp_path / "summary.json").write_text(json.dumps({"measured": {"step_s": 0.1}}))
+    row = step_time.read_run(tmp_path)
+    assert row["predicted_step_s"] == 0.12 and row["measured_step_s"] == 0.1
+    assert row["error"] == pytest.approx(0.2) and row["params"] == 1000

@@ -91,7 +91,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
 
     cfg = load_config(ROOT / "jobs" / "llm.yaml", [
         *TINY, f"monitor.runs_dir={runs}", "train.max_steps=120", "train.eval_interval=30",
-        "checkpoint.interval=2", "train.max_failures=3", "elastic.max_workers=6", "elastic.hang_floor_s=20",
+        "checkpoint.interval=2", "train.max_failures=3", "elastic.max_workers=6", "elastic.hang_floor_s=10",
     ])
     run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
 
