@@ -177,3 +177,24 @@ def test_bad_factory_from_the_command_line_is_one_line_exit_2(tmp_path) -> None:
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "key 'model.factory': cannot import" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not runs.exists()
+
+
+def test_tensor_parallel_all_reduces_are_counted_from_the_models_own_plan() -> None:
+    from dataclasses import replace
+
+    from orchestrator.planning.cost import tp_all_reduces_per_block
+
+    args = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "ffn_dim": 96}
+    spec = model_spec(ModelConfig(factory="orchestrator.workloads.llama:build", args=args, block_size=32))
+    # q, k, v, gate and up are column-parallel; o and down row-parallel.
+    assert (spec.tp_colwise_per_block, spec.tp_rowwise_per_block) == (5, 2)
+    assert tp_all_reduces_per_block(mm.ModelShape.from_spec(spec)) == (2, 5)
+    assert tp_all_reduces_per_block(mm.ModelShape(layers=2, hidden=64, heads=4, vocab=256, seq=32)) == (2, 2)
+    cfg = load_config(None, ["model.block_size=32", "parallel.strategy=ddp", "parallel.tp=2",
+                             "train.global_batch_size=8", "train.micro_batch_size=4", "cluster.gpu=A100"])
+    topo = described_topology(cfg, FOUR_GPUS, 1, None)
+    counted = plan_job(cfg, topo, spec)
+    fused = plan_job(cfg, topo, replace(spec, tp_colwise_per_block=0, tp_rowwise_per_block=0))
+    # Seven all-reduces per block instead of the fused model's four; the compute is the same.
+    assert counted.step_time.compute_s == fused.step_time.compute_s
+    assert counted.step_time.comm_s > fused.step_time.comm_s

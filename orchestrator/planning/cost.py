@@ -138,6 +138,18 @@ def execution(ctx: JobContext, c: Choice) -> Execution:
                    max_steps=ctx.max_steps, pipeline=pipeline)
 
 
+def tp_all_reduces_per_block(shape: ModelShape) -> tuple[int, int]:
+    """(forward, backward) activation all-reduces of one tensor-parallel block: one per
+    row-parallel Linear's output forward, one per column-parallel Linear's input gradient
+    backward (DTensor reduces each on its own). The built-in GPT, and a measured model whose
+    plan was not counted, have Megatron's two and two (fused qkv and MLP input; attention and
+    MLP output)."""
+    spec = shape.spec
+    if spec is None or not (spec.tp_colwise_per_block and spec.tp_rowwise_per_block):
+        return 2, 2
+    return spec.tp_rowwise_per_block, spec.tp_colwise_per_block
+
+
 def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     """Memory and step time of choice `c` on layout `cl`, as `resolve` says it runs;
     Unsupported when it cannot run at all."""
@@ -177,9 +189,10 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
     bubble_s = mm * pl.bubble if pl else 0.0
 
-    # Tensor parallelism: two all-reduces of a block's activations forward, two backward
-    # (reduce-scatter + all-gather pairs under sequence parallelism move the same bytes),
-    # two more when full recomputation runs the forward again. Nothing hides them.
+    # Tensor parallelism: all-reduces of a block's activations, forward and backward
+    # (`tp_all_reduces_per_block`), forward's again when full recomputation runs it twice
+    # (reduce-scatter + all-gather pairs under sequence parallelism move the same bytes).
+    # Nothing hides them.
     parts: dict[str, float] = {}
     if tp > 1:
         tpl = group_links(ctx, cl, "tp")
@@ -188,7 +201,8 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             per_ar, _ = all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us)
         else:
             per_ar = gloo_all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us, ctx.speed.mem_gbps)
-        n = 4 + (2 if c.recompute == "full" else 0)
+        fwd_ar, bwd_ar = tp_all_reduces_per_block(shape)
+        n = fwd_ar + bwd_ar + (fwd_ar if c.recompute == "full" else 0)
         parts["tp"] = accum * blocks * n * per_ar * (1 + (pl.bubble if pl else 0.0))
     if pl:
         # Each micro-batch's activation crosses every chunk boundary forward and its gradient

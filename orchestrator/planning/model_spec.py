@@ -67,6 +67,14 @@ class ModelSpec:
     pipeline_ends: bool = False
     """Whether the model names its ends (`embed`, `head`), so a pipeline can split it at block
     boundaries; without them the planner keeps pp=1."""
+    tp_colwise_per_block: int = 0
+    """Column-parallel Linears the plan names in one block. Each takes its input whole and
+    DTensor all-reduces that input's gradient on its own in backward: separate q, k and v
+    projections cost three all-reduces where a fused qkv costs one. 0: unknown, priced as the
+    GPT's two (fused qkv, MLP input)."""
+    tp_rowwise_per_block: int = 0
+    """Row-parallel Linears the plan names in one block: one all-reduce of the output each in
+    forward (again under full recomputation). 0: unknown, priced as the GPT's two."""
 
     def __post_init__(self) -> None:
         for name in ("params", "blocks", "hidden", "heads", "kv_heads", "vocab", "seq"):

@@ -24,6 +24,7 @@ from ..planning.model_spec import ModelSpec
 from .models import (
     apply_recompute,
     block_list,
+    block_list_name,
     build_model,
     factory_name,
     heads_of,
@@ -36,6 +37,16 @@ from .models import (
 def distinct_params(module: nn.Module) -> int:
     """Parameters of `module`, a tensor shared by two modules counted once."""
     return sum(p.numel() for p in module.parameters())  # parameters() already skips duplicates
+
+
+def _tp_styles_per_block(model: nn.Module, plan: dict[str, str] | None) -> tuple[int, int]:
+    """(column-parallel, row-parallel) Linears the plan names in the model's first block."""
+    if not plan:
+        return 0, 0
+    prefix = f"{block_list_name(model)}.0."
+    styles = [next((s for pat, s in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
+              for name, _ in model.named_modules() if name.startswith(prefix)]
+    return styles.count("colwise"), styles.count("rowwise")
 
 
 def _tp_sharded(model: nn.Module, plan: dict[str, str] | None) -> int:
@@ -197,6 +208,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
 
     plan = tp_plan(model)
     tp_sharded = _tp_sharded(model, plan)
+    colwise, rowwise = _tp_styles_per_block(model, plan)
     named = sum(1 for _ in model.named_parameters(remove_duplicate=False))
     # The blocks repeat, so one or two are measured: the forward runs with the list cut to its
     # first blocks (an op on meta tensors costs milliseconds; a 70B model has 80 blocks).
@@ -255,6 +267,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         tp_sharded_activation_fraction=tp_activations,
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
         tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
+        tp_colwise_per_block=colwise, tp_rowwise_per_block=rowwise,
     )
 
 
