@@ -2,10 +2,11 @@
 
 A plan maps module paths (`*` for a block index) to `colwise` or `rowwise`: the built-in
 models carry theirs (`GPT.tp_plan`, `Llama.tp_plan`: Megatron's split, attention by heads,
-the MLP by its width, one all-reduce per block in forward and one in backward), a Hugging Face
-model its config's `base_model_tp_plan`. Everything the plan does not name stays an ordinary
-replicated parameter (embeddings, norms, the output head), so a tied weight stays one
-Parameter. Attention that reshapes with ``-1`` heads then runs ``heads / tp`` of them per rank.
+the MLP by its width: an all-reduce per row-parallel output in forward and one per
+column-parallel input gradient in backward), a Hugging Face model its config's
+`base_model_tp_plan`. Everything the plan does not name stays an ordinary replicated parameter
+(embeddings, norms, the output head), so a tied weight stays one Parameter. Attention that
+reshapes with ``-1`` heads then runs ``heads / tp`` of them per rank.
 """
 
 from __future__ import annotations
