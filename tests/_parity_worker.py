@@ -117,23 +117,29 @@ def _autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
 
 
-def reference(accum: int, autocast: torch.dtype | None = None) -> dict[str, list[float]]:
-    """Single-process training on the whole global batch: the trajectory every strategy must match."""
-    model = fresh_model()
-    opt = make_optimizer(model)
+def train_one_process(model: torch.nn.Module, opt: torch.optim.Optimizer, steps, accum: int, max_norm: float,
+                      autocast: torch.dtype | None = None) -> dict[str, list[float]]:
+    """Train one process on whole global batches, `accum` micro-batches a step, clipping at
+    `max_norm`: the loss and gradient-norm trajectory a parallel run must match."""
     losses, norms = [], []
-    for step in batches(accum):
+    for step in steps:
         total = 0.0
         for x, y in step:
             with _autocast(autocast):
                 loss = model(x, y) / accum
             loss.backward()
             total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
     return {"losses": losses, "norms": norms}
+
+
+def reference(accum: int, autocast: torch.dtype | None = None) -> dict[str, list[float]]:
+    """Single-process training on the whole global batch: the trajectory every strategy must match."""
+    model = fresh_model()
+    return train_one_process(model, make_optimizer(model), batches(accum), accum, MAX_NORM, autocast)
 
 
 def _train_step(par, step: torch.Tensor, case: Case, dp_rank: int, dp_world: int) -> tuple[float, float]:

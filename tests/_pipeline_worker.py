@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _parity_worker import train_one_process
 
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape
@@ -79,19 +80,7 @@ def fresh_model(seed: int = 0) -> GPT:
 def reference() -> dict[str, list[float]]:
     """One process over the whole global batch, micro-batch by micro-batch."""
     model = fresh_model()
-    opt = make_optimizer(model)
-    losses, norms = [], []
-    for step in batches():
-        total = 0.0
-        for x, y in step:
-            loss = model(x, y) / MICROBATCHES
-            loss.backward()
-            total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "norms": norms}
+    return train_one_process(model, make_optimizer(model), batches(), MICROBATCHES, MAX_NORM)
 
 
 def _train_step(pipe, step: torch.Tensor, dp_rank: int, dp_world: int, loss_ranks: int) -> tuple[float, float]:
