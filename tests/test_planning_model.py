@@ -227,7 +227,8 @@ def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
 # micro-steps: zero2 gathers once and keeps the weights; zero3 gathers for forward and backward.
 @pytest.mark.parametrize("strategy,gathers,scatters", [("zero2", 1, 8), ("zero3", 16, 8)])
 def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(strategy, gathers, scatters):
-    from orchestrator.planning.cost import Choice, estimate
+    from orchestrator.planning.comm import NCCL_RING_PROTOCOLS
+    from orchestrator.planning.cost import Choice, estimate, group_links
     from orchestrator.planning.layout import Wirings, cluster_layout
     from orchestrator.planning.mesh import Mesh
 
@@ -238,17 +239,157 @@ def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(st
     est = {p: estimate(ctx, cl, choice) for p, (ctx, _) in jobs.items()}
     # Weights cross the wire in FSDP2's param_dtype: half the all-gather bytes under bf16...
     assert est["bf16"].comm_parts["param all-gather"] < 0.55 * est["fp32"].comm_parts["param all-gather"]
-    # ...and the same (fp32) gradient reduce-scatter, whose ring time is bytes over bandwidth:
-    # the all-gather of 2 bytes per parameter costs about half the reduce-scatter of 4.
+    # ...and the same (fp32) gradient reduce-scatter. A ring's time is one collective's latency
+    # per FSDP unit (24 blocks and the root) plus bytes over bandwidth: without the latency,
+    # the all-gather of 2 bytes per parameter costs half the reduce-scatter of 4.
     rs, ag = est["bf16"].comm_parts["grad reduce-scatter"], est["bf16"].comm_parts["param all-gather"]
     assert rs == pytest.approx(est["fp32"].comm_parts["grad reduce-scatter"])
-    assert ag / gathers == pytest.approx(rs / scatters / 2, rel=0.05)
+    latency = 25 * NCCL_RING_PROTOCOLS[0].latency_s(group_links(jobs["bf16"][0], cl, "dp_shard"))
+    assert ag / gathers - latency == pytest.approx((rs / scatters - latency) / 2, rel=0.01)
     # Memory: fp32 shards of 16 bytes per parameter either way; bf16 gathers make the buffers smaller.
     psi = jobs["bf16"][0].params
     for p in ("bf16", "fp32"):
         m = est[p].memory
         assert m.params + m.grads + m.optimizer == pytest.approx(16 * psi / 8, rel=1e-6)
     assert est["bf16"].memory.buffers < est["fp32"].memory.buffers
+
+
+def _dgx_a100_group(nodes: int, per_node: int = 8):
+    from orchestrator.planning.comm import GroupLinks
+
+    # One data-parallel group of `per_node` ranks on each of `nodes` DGX A100s (NVSwitch ring,
+    # 25 GB/s of the node's 200 GB/s network per GPU).
+    return GroupLinks(size=nodes * per_node, per_node=per_node, intra_gbps=230.0, intra_lat_us=1.0,
+                      inter_gbps=25.0 * per_node, inter_lat_us=3.0)
+
+
+def test_nccl_ring_latency_follows_nccls_tuner():
+    from orchestrator.planning.comm import LAUNCH_S, NCCL_RING_PROTOCOLS, nccl_ring_seconds
+
+    simple, ll128 = NCCL_RING_PROTOCOLS
+    g = _dgx_a100_group(nodes=2)
+    # NCCL's own figures (tuning.cc): Simple 8.4 us base, 3.4 us per NVLink step, 14 us per
+    # network step; a 16-rank ring over two nodes takes 14 steps inside them and one across.
+    assert simple.latency_s(g) == pytest.approx(LAUNCH_S + (8.4 + 14 * 3.4 + 14.0) * 1e-6)
+    assert ll128.latency_s(g) == pytest.approx(LAUNCH_S + (14.0 + 14 * 1.9 + 4.0) * 1e-6)
+    # A small message goes at LL128's shorter steps, a large one at Simple's full bandwidth.
+    wire = lambda n: 15 / 16 * n / (200.0 * 1e9)  # noqa: E731
+    assert nccl_ring_seconds(64e3, g) == pytest.approx(ll128.latency_s(g) + wire(64e3) * 128 / 120)
+    assert nccl_ring_seconds(1e9, g) == pytest.approx(simple.latency_s(g) + wire(1e9))
+    # The same bytes in FSDP's per-unit collectives pay the latency once per unit.
+    assert nccl_ring_seconds(1e9, g, units=80) == pytest.approx(80 * nccl_ring_seconds(1e9 / 80, g))
+    # At hundreds of nodes a ring's latency is milliseconds: 1535 steps, 191 across the network.
+    wide = _dgx_a100_group(nodes=192)
+    assert simple.latency_s(wide) == pytest.approx(LAUNCH_S + (8.4 + 1344 * 3.4 + 191 * 14.0) * 1e-6)
+    assert simple.latency_s(wide) > 7e-3
+
+
+def test_overlapped_collective_slows_the_compute_beside_it():
+    from orchestrator.planning.cost import OVERLAP_COMPUTE_SLOWDOWN, overlapped
+
+    k = OVERLAP_COMPUTE_SLOWDOWN
+    # Hidden under compute, a collective still costs the slowdown it causes while it runs...
+    assert overlapped(1.0, 10.0) == pytest.approx(k / (1 + k))
+    # ...one that outlasts the compute is exposed by the difference...
+    assert overlapped(10.0, 1.0) == pytest.approx(9.0)
+    # ...and the two meet where the slowed compute ends with the collective.
+    assert overlapped(1.0 + k, 1.0) == pytest.approx(k)
+    assert overlapped(0.0, 5.0) == 0.0
+
+
+def test_wide_zero3_pays_per_unit_latency_copies_and_overlap():
+    """FSDP2 across hundreds of nodes: one ring per unit and per phase, each with NCCL's latency;
+    the copies out of each gathered unit; and compute slowed under the collectives it hides."""
+    from orchestrator.planning.comm import NCCL_RING_PROTOCOLS
+    from orchestrator.planning.cost import Choice, estimate, group_links
+    from orchestrator.planning.layout import Wirings, cluster_layout
+    from orchestrator.planning.mesh import Mesh
+
+    ctx, topo = _dgx_a100_job(nodes=64, layers=48)
+    mesh = Mesh(dp_replicate=1, dp_shard=512, tp=1)
+    cl = cluster_layout(Wirings.of(topo), mesh)
+    est = estimate(ctx, cl, Choice("zero3", mesh, micro_batch=1, recompute="none"))
+    gl = group_links(ctx, cl, "dp_shard")
+    # Two gathers and a reduce-scatter per micro-step, each in 49 rings (48 blocks, the root).
+    accum = ctx.global_batch // 512
+    latency = min(p.latency_s(gl) for p in NCCL_RING_PROTOCOLS)
+    assert est.comm_parts["param all-gather"] >= 2 * accum * 49 * latency
+    assert est.comm_parts["grad reduce-scatter"] >= accum * 49 * latency
+    # All of it hides under compute in bandwidth terms, yet the step is not free of it.
+    comm = est.comm_parts["param all-gather"] + est.comm_parts["grad reduce-scatter"]
+    assert comm < est.compute_s
+    assert est.exposed_comm_s > 0.1 * comm
+
+
+def _dgx_a100_job(nodes: int, layers: int):
+    """(JobContext, topology) of a 39B-wide GPT with `layers` blocks, 16 sequences per node, on
+    DGX A100 nodes (200 GB/s per node)."""
+    from pathlib import Path
+
+    from orchestrator.config import load_config
+    from orchestrator.planning.describe import describe_cluster
+    from orchestrator.planning.plan import job_context
+    from orchestrator.topology.files import load_topology_file
+    from orchestrator.topology.model import Network
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "topology" / "topo_a100_8gpu_mlengineering.txt"
+    node = load_topology_file(fixture, "A100")
+    topo = describe_cluster(node, nodes, Network(bandwidth_gbps=200.0, latency_us=3.0), "A100")
+    model = [f"model.n_layer={layers}", "model.n_head=64", "model.n_embd=8192", "model.vocab_size=51200",
+             "model.block_size=2048", f"train.global_batch_size={nodes * 16}", "train.precision=bf16"]
+    return job_context(load_config(None, model), topo), topo
+
+
+def test_gemm_efficiency_pays_for_partial_waves_and_low_intensity():
+    from orchestrator.planning.compute import gemm_efficiency
+
+    # 108 tiles of 256x128 fill one wave on an A100's 108 SMs; one tile more needs a second.
+    full = gemm_efficiency(256 * 12, 128 * 9, 8192, sms=108, ridge_flop_per_byte=153)
+    assert full == pytest.approx(1.0)
+    over = gemm_efficiency(256, 128 * 109, 8192, sms=108, ridge_flop_per_byte=153)
+    assert over == pytest.approx(109 / 216, rel=1e-3)
+    # A matrix that hangs over its tiles pays for the whole tiles.
+    assert gemm_efficiency(129, 128 * 108, 8192, sms=0, ridge_flop_per_byte=1) == pytest.approx(129 / 256)
+    # A GEMM whose FLOPs per byte fall below the ridge point runs at the memory's pace.
+    skinny = gemm_efficiency(256 * 108, 128, 16, sms=0, ridge_flop_per_byte=153)
+    intensity = 2 * (256 * 108) * 128 * 16 / (2 * (256 * 108 * 16 + 16 * 128 + 256 * 108 * 128))
+    assert skinny == pytest.approx(intensity / 153)
+
+
+def test_a_large_models_gemms_stay_efficient_at_one_sequence_per_micro_batch():
+    """Tensor parallelism over 8 and one 2048-token sequence leave a 145.6B GPT's GEMMs large:
+    within 10% of what 8 sequences reach. A small model's GEMMs shrink into partial waves."""
+    from orchestrator.planning.compute import DeviceSpeed, efficiency
+    from orchestrator.planning.gpus import lookup
+
+    a100 = lookup("A100")
+    speed = DeviceSpeed(a100.name, a100.peak_tflops, a100.mem_gbps, a100.memory_bytes, a100.sms)
+    big = [efficiency(2048 * b, 12288, 8, speed) for b in (1, 8)]
+    assert big[0] > 0.9 * big[1]
+    assert efficiency(256, 1024, 8, speed) < 0.3 * efficiency(2048, 1024, 1, speed)
+    # A CPU slot keeps its saturating curve; a GPU without its speed cannot be priced.
+    assert 0 < efficiency(256, 1024, 8, None, on_gpu=False) < 0.6
+    with pytest.raises(ValueError, match="speed"):
+        efficiency(2048, 1024, 1, None)
+
+
+def test_elementwise_work_is_a_larger_share_of_a_narrow_model():
+    from orchestrator.planning.compute import DeviceSpeed, elementwise_seconds, matmul_seconds
+
+    speed = DeviceSpeed("A100", 312.0, 2039.0, 80 * 2**30, 108)
+    share = {}
+    for h in (2304, 12288):
+        gemm = matmul_seconds(72 * h * h * 2048, speed, 0.6)  # one token-block's GEMMs, fwd and bwd
+        share[h] = elementwise_seconds(2048, h, 1, 1, "none", 2, speed) / gemm
+    # Bytes grow as h, FLOPs as h squared.
+    assert share[2304] == pytest.approx(share[12288] * 12288 / 2304, rel=1e-9)
+    assert 0.03 < share[2304] < 0.1
+    # Tensor parallelism splits the GEMMs but not the norms and residual adds.
+    assert elementwise_seconds(2048, 4096, 8, 1, "none", 2, speed) > \
+        elementwise_seconds(2048, 4096, 1, 1, "none", 2, speed) / 8 * 4
+    # Full recomputation runs forward's elementwise work twice.
+    one, two = (elementwise_seconds(2048, 4096, 1, 1, r, 2, speed) for r in ("none", "full"))
+    assert two == pytest.approx(one * 4 / 3)
 
 
 def test_hierarchical_all_reduce_needs_two_levels():

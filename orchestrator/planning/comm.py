@@ -231,19 +231,67 @@ def group_all_reduce(nbytes: float, g: GroupLinks, algorithm: str = "auto") -> t
     return flat, name
 
 
-def group_reduce_scatter(nbytes: float, g: GroupLinks) -> float:
-    """Reduce-scatter of an n-byte buffer over the group's ring."""
+@dataclass(frozen=True)
+class NcclProtocol:
+    """One of NCCL's protocols as its tuner prices a ring (src/graph/tuning.cc: baseLat,
+    hwLat, and the share of each line that carries data)."""
+
+    name: str
+    base_us: float
+    """Fixed latency of one collective."""
+    nvlink_step_us: float
+    """Latency of a ring step inside a node, over NVLink."""
+    net_step_us: float
+    """Latency of a ring step that crosses the network."""
+    data_share: float
+    """Payload bytes per byte on the wire (LL128 sends 120 of every 128)."""
+
+    def latency_s(self, g: GroupLinks) -> float:
+        """Latency of one ring all-gather or reduce-scatter over the group: the base, then
+        p-1 steps, nodes-1 of them across the network, each at least this protocol's step
+        latency and the link's own."""
+        inter_steps = g.nodes - 1
+        intra_steps = g.size - 1 - inter_steps
+        return LAUNCH_S + (self.base_us + intra_steps * max(self.nvlink_step_us, g.intra_lat_us)
+                           + inter_steps * max(self.net_step_us, g.inter_lat_us)) * 1e-6
+
+
+# Simple moves large messages at full bandwidth; LL128 trades 1/16 of it for far shorter steps.
+# (LL, half the bandwidth, only wins below the sizes FSDP's units have.)
+NCCL_RING_PROTOCOLS = (
+    NcclProtocol("Simple", base_us=8.4, nvlink_step_us=3.4, net_step_us=14.0, data_share=1.0),
+    NcclProtocol("LL128", base_us=14.0, nvlink_step_us=1.9, net_step_us=4.0, data_share=120 / 128),
+)
+
+
+def nccl_ring_seconds(nbytes: float, g: GroupLinks, units: int = 1) -> float:
+    """An n-byte ring all-gather or reduce-scatter over an NCCL group, issued as `units`
+    collectives of equal size (FSDP2 issues one per unit), each at the protocol NCCL's tuner
+    would pick for it: its latency (`NcclProtocol.latency_s`) and (p-1)/p of the bytes over
+    the ring's slowest link."""
+    if g.size == 1 or nbytes == 0:
+        return 0.0
+    if units < 1:
+        raise ValueError(f"a buffer goes out in at least one collective, got {units}")
+    wire = bus_factor("all_gather", g.size) * nbytes / units / (g.flat_gbps * 1e9)
+    return units * min(p.latency_s(g) + wire / p.data_share for p in NCCL_RING_PROTOCOLS)
+
+
+def group_reduce_scatter(nbytes: float, g: GroupLinks, units: int = 1) -> float:
+    """Reduce-scatter of an n-byte buffer over the group's ring, in `units` collectives."""
     if g.size == 1:
         return 0.0
     if g.gloo_mem_gbps is not None:
-        return gloo_reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
-    return reduce_scatter(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
+        one = gloo_reduce_scatter(nbytes / units, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
+        return units * one
+    return nccl_ring_seconds(nbytes, g, units)
 
 
-def group_all_gather(nbytes: float, g: GroupLinks) -> float:
-    """All-gather into an n-byte buffer over the group's ring."""
+def group_all_gather(nbytes: float, g: GroupLinks, units: int = 1) -> float:
+    """All-gather into an n-byte buffer over the group's ring, in `units` collectives."""
     if g.size == 1:
         return 0.0
     if g.gloo_mem_gbps is not None:
-        return gloo_all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
-    return all_gather(nbytes, g.size, g.flat_gbps, g.flat_lat_us)
+        one = gloo_all_gather(nbytes / units, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
+        return units * one
+    return nccl_ring_seconds(nbytes, g, units)

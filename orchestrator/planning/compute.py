@@ -1,23 +1,36 @@
 """Compute time of one step: FLOPs / (peak x efficiency), plus the optimizer's memory traffic.
 
 Peak comes from the GPU table (`gpus.py`), or from the device's measured figure when a
-measured probe recorded one. Efficiency is what fraction of peak the matmuls reach: it rises
-with the tokens per micro-batch and the per-rank hidden size (small GEMMs leave tensor cores
-idle) towards the 60% large dense transformers reach on current GPUs.
+measured probe recorded one. Efficiency is what fraction of peak the step reaches.
+
+On a GPU it is the block's GEMMs as the device runs them, capped at the 60% a whole step of a
+large dense transformer reaches (attention, norms and elementwise work run beside them): each
+GEMM is cut into output tiles (cuBLAS's 256x128 or 128x256, whichever wastes less), the tiles
+run in waves of one per SM, so a last, partly filled wave or tiles hanging over the matrix's
+edge are paid in full; and a GEMM whose FLOPs per byte moved fall below the device's ridge
+point (peak over memory bandwidth) runs at the memory's pace. Large GEMMs lose nearly nothing
+to either; tensor parallelism and small micro-batches shrink them into the range where they do.
+
+A CPU slot has no tiles or waves to speak of: its efficiency rises with the tokens per
+micro-batch and the hidden size per rank along a saturating curve.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..topology.model import Device
 from .gpus import CPU_SLOT, GpuSpec, lookup
 
 MAX_EFFICIENCY = 0.6
-# Half-saturation points of the efficiency curve: tokens per micro-batch, hidden size per rank.
-# A GPU needs thousands of rows to fill its tensor cores; a CPU core's vector units fill early.
-_TOKENS_HALF = {True: 512, False: 64}
-_HIDDEN_HALF = {True: 256, False: 32}
+# Half-saturation points of a CPU slot's efficiency curve: tokens per micro-batch, hidden size
+# per rank (a core's vector units fill early).
+_CPU_TOKENS_HALF = 64
+_CPU_HIDDEN_HALF = 32
+# Output tiles of cuBLAS's large bf16 GEMM kernels on A100/H100, rows x columns.
+_TILES = ((256, 128), (128, 256))
 # AdamW reads and writes every state it touches once per step.
 _OPTIMIZER_PASSES = 2
 
@@ -34,6 +47,8 @@ class DeviceSpeed:
     """Memory bandwidth, GB/s."""
     memory_bytes: int
     """Device memory (the probe's figure over the table's)."""
+    sms: int = 0
+    """Streaming multiprocessors (0: unknown; GEMMs are then priced without wave quantization)."""
 
 
 def device_speed(device: Device, precision: str, fallback_gpu: str | None = None) -> DeviceSpeed | None:
@@ -51,18 +66,79 @@ def device_speed(device: Device, precision: str, fallback_gpu: str | None = None
     if device.measured_tflops:
         peak, name = float(device.measured_tflops), f"{spec.name} (measured)"
     memory = device.memory_bytes or spec.memory_bytes
-    return DeviceSpeed(name, peak, mem_gbps, int(memory))
+    return DeviceSpeed(name, peak, mem_gbps, int(memory), spec.sms)
 
 
-def efficiency(tokens_per_micro_batch: int, hidden_per_rank: float, on_gpu: bool = True) -> float:
-    """Fraction of peak the step's matmuls reach."""
-    if tokens_per_micro_batch < 1 or hidden_per_rank <= 0:
-        raise ValueError("tokens per micro-batch and hidden size per rank must be positive")
-    tok = tokens_per_micro_batch / (tokens_per_micro_batch + _TOKENS_HALF[on_gpu])
-    hid = hidden_per_rank / (hidden_per_rank + _HIDDEN_HALF[on_gpu])
-    # Peak is a matmul figure on both (datasheet or measured); a whole training step also runs
-    # attention, norms and elementwise work, which is what caps both near 60%.
-    return MAX_EFFICIENCY * tok * hid
+def efficiency(tokens_per_micro_batch: int, hidden: int, tp: int = 1, speed: DeviceSpeed | None = None,
+               on_gpu: bool = True) -> float:
+    """Fraction of peak the step's matmuls reach, for micro-batches of `tokens_per_micro_batch`
+    through blocks of width `hidden` split `tp` ways (see the module docstring). A GPU needs its
+    `speed` (peak, memory bandwidth, SMs)."""
+    if tokens_per_micro_batch < 1 or hidden <= 0 or tp < 1:
+        raise ValueError("tokens per micro-batch, hidden size and tensor-parallel degree must be positive")
+    if not on_gpu:
+        tok = tokens_per_micro_batch / (tokens_per_micro_batch + _CPU_TOKENS_HALF)
+        per_rank = hidden / tp
+        hid = per_rank / (per_rank + _CPU_HIDDEN_HALF)
+        return MAX_EFFICIENCY * tok * hid
+    if speed is None:
+        raise ValueError("a GPU's efficiency needs its speed (peak, memory bandwidth, SMs)")
+    return MAX_EFFICIENCY * block_gemm_efficiency(tokens_per_micro_batch, int(hidden), tp, speed.sms,
+                                                  speed.peak_tflops / speed.mem_gbps * 1e3)
+
+
+@lru_cache(maxsize=4096)
+def block_gemm_efficiency(tokens: int, hidden: int, tp: int, sms: int, ridge_flop_per_byte: float) -> float:
+    """FLOP-weighted efficiency of a transformer block's GEMMs on one tensor-parallel rank: the
+    fused qkv and the MLP's first layer split by columns, the attention output and the MLP's
+    second layer by rows (Megatron's split), each run forward, for its input's gradient and for
+    its weight's gradient (three GEMMs of equal FLOPs, the shapes transposed)."""
+    h = hidden
+    forward = ((tokens, 3 * h // tp, h), (tokens, h, h // tp), (tokens, 4 * h // tp, h), (tokens, h, 4 * h // tp))
+    flops = seconds = 0.0
+    for m, n, k in forward:
+        for shape in ((m, n, k), (m, k, n), (k, n, m)):
+            f = 2.0 * m * n * k
+            flops += f
+            seconds += f / gemm_efficiency(*shape, sms, ridge_flop_per_byte)
+    return flops / seconds
+
+
+def gemm_efficiency(m: int, n: int, k: int, sms: int, ridge_flop_per_byte: float, value_bytes: int = 2) -> float:
+    """Fraction of peak one (m x k) @ (k x n) GEMM reaches: the work in its tiles over the
+    work its waves of tiles cost (`sms` of them at once; 0 for no waves), at most what its
+    FLOPs per byte allow below the ridge point."""
+    if min(m, n, k) < 1:
+        raise ValueError(f"GEMM dimensions must be positive, got {m}x{n}x{k}")
+    quantized = 0.0
+    for tm, tn in _TILES:
+        rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+        tiles = rows * cols
+        slots = math.ceil(tiles / sms) * sms if sms else tiles
+        quantized = max(quantized, m * n / (slots * tm * tn))
+    intensity = 2.0 * m * n * k / (value_bytes * (m * k + k * n + m * n))
+    return quantized * min(1.0, intensity / ridge_flop_per_byte)
+
+
+# Values each token reads and writes per block in the elementwise work around the GEMMs, on
+# one tensor-parallel rank, forward: the two LayerNorms (h in, h out) and residual adds (2h in,
+# h out) run on whole rows on every rank; GELU (4h in, 4h out) and the attention output's
+# copy back from heads (h in, h out) on the rank's split. Backward reads and writes about twice
+# what forward did.
+_ELEMENTWISE_WHOLE = 10
+_ELEMENTWISE_SPLIT = 10
+_BACKWARD_PASSES = 2
+
+
+def elementwise_seconds(tokens: float, hidden: int, tp: int, blocks: float, recompute: str, value_bytes: int,
+                        speed: DeviceSpeed) -> float:
+    """Seconds of the memory-bound elementwise work of `tokens` through `blocks` blocks on one
+    rank: norms, activations and residual adds move every value through device memory, so they
+    cost bytes over bandwidth, a share of the step that falls as 1/hidden (GEMMs grow as
+    hidden squared). Full recomputation runs forward's twice."""
+    per_token = (_ELEMENTWISE_WHOLE + _ELEMENTWISE_SPLIT / tp) * hidden
+    passes = 1 + _BACKWARD_PASSES + (1 if recompute == "full" else 0)
+    return tokens * blocks * per_token * passes * value_bytes / (speed.mem_gbps * 1e9)
 
 
 def matmul_seconds(flops: float, speed: DeviceSpeed, eff: float) -> float:

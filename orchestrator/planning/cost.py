@@ -16,7 +16,7 @@ from .comm import (
     group_all_reduce,
     group_reduce_scatter,
 )
-from .compute import DeviceSpeed, efficiency, matmul_seconds, optimizer_seconds
+from .compute import DeviceSpeed, efficiency, elementwise_seconds, matmul_seconds, optimizer_seconds
 from .layout import ClusterLayout
 from .memory import ByteLayout, MemoryBreakdown, params_per_tp_rank, rank_memory, runtime_states
 from .mesh import Mesh
@@ -178,8 +178,11 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     # Compute: the job's hardware FLOPs split evenly over the data- and tensor-parallel ranks,
     # the slowest pipeline stage's share of them on each.
     flops = flops_per_step(shape, ctx.global_batch, c.recompute) / (dp * tp) * work
-    eff = efficiency(c.micro_batch * shape.seq, shape.hidden / tp, ctx.on_gpu)
+    eff = efficiency(c.micro_batch * shape.seq, shape.hidden, tp, ctx.speed, ctx.on_gpu)
     mm = matmul_seconds(flops, ctx.speed, eff)
+    if ctx.on_gpu:
+        mm += elementwise_seconds(ctx.global_batch * shape.seq / dp, shape.hidden, tp, blocks, str(c.recompute),
+                                  lay.activation, ctx.speed)
     step_flops = flops_per_step(shape, ctx.global_batch, c.recompute)
     fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
@@ -242,30 +245,45 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             schedule = "flat ring reduce-scatter + all-gather" if gl.size > 1 else schedule
             schedule += flat_note
             exposed += gather
-        exposed += (max(0.0, red - bwd) + tail) if overlap and gl.size > 1 else red
+        exposed += (overlapped(red, bwd) + tail) if overlap and gl.size > 1 else red
     else:
         gl = group_links(ctx, cl, "dp_shard")
         bucket_mb = block * grad_wire / MB
-        rs = group_reduce_scatter(grad_bytes, gl)
+        # FSDP2 issues one collective per unit (each block, and the root's own parameters), so
+        # each pays the ring's latency: at hundreds of ranks that, not bandwidth, is what
+        # small units cost.
+        units = blocks + 1
+        rs = group_reduce_scatter(grad_bytes, gl, units)
         rs_block = group_reduce_scatter(block * grad_wire, gl)
         gather_w = p_rank * lay.compute
-        ag = group_all_gather(gather_w, gl)
+        ag = group_all_gather(gather_w, gl, units)
         ag_block = group_all_gather(block * lay.compute, gl)
+        if ctx.on_gpu and gl.size > 1:
+            # FSDP2 copies each gathered unit out of the flat buffer into its parameters
+            # (`foreach_all_gather_copy_out`), and each unit's gradients into the
+            # reduce-scatter's input (`foreach_reduce`): a read and a write of the bytes in
+            # device memory each, which compute waits for or shares the memory with.
+            copy_out = 2 * gather_w / (ctx.speed.mem_gbps * 1e9)
+            copy_in = 2 * grad_bytes / (ctx.speed.mem_gbps * 1e9)
+        else:
+            copy_out = copy_in = 0.0
         # Under a pipeline FSDP2 reduce-scatters once, after the last micro-batch's backward
         # (torch's stages turn gradient sync off for the others).
         syncs = 1 if pl else accum
         if not ex.reshard_after_forward:
             # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
             parts["grad reduce-scatter"], parts["param all-gather"] = syncs * rs, ag
+            compute_s += copy_out + syncs * copy_in
             if overlap:
-                exposed += syncs * (max(0.0, rs - bwd) + rs_block) + max(0.0, ag - fwd) + ag_block
+                exposed += syncs * (overlapped(rs, bwd) + rs_block) + overlapped(ag, fwd) + ag_block
             else:
                 exposed += syncs * rs + ag
         else:
             # ZeRO-3 / FSDP: gather forward, gather again for backward, reduce-scatter, per micro-step.
             parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, accum * rs
+            compute_s += accum * (2 * copy_out + copy_in)
             if overlap:
-                exposed += accum * (max(0.0, ag - fwd) + max(0.0, ag + rs - bwd) + ag_block + rs_block)
+                exposed += accum * (overlapped(ag, fwd) + overlapped(ag + rs, bwd) + ag_block + rs_block)
             else:
                 exposed += accum * (2 * ag + rs)
         schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
@@ -285,6 +303,24 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s,
                     exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule,
                     bubble_s=bubble_s)
+
+
+# Compute slows while a collective runs beside it: NCCL's kernels take SMs and their traffic
+# takes device-memory bandwidth (two to three bytes of it per byte on the wire). Lee et al. 2025
+# ("Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning", arXiv 2507.03114) measured GPT and Llama training kernels on A100 and H100 (and
+# MI250/MI210) 18.9% slower on average while overlapped than alone.
+OVERLAP_COMPUTE_SLOWDOWN = 0.189
+
+
+def overlapped(comm_s: float, compute_s: float) -> float:
+    """Seconds a collective of `comm_s` adds to the `compute_s` it runs beside, from the same
+    start: while both run, compute goes at 1/(1 + slowdown) of its speed; what the collective
+    outlasts the slowed compute by is exposed."""
+    if comm_s <= 0:
+        return 0.0
+    k = OVERLAP_COMPUTE_SLOWDOWN
+    return max(comm_s - compute_s, comm_s * k / (1 + k))
 
 
 def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> float:
@@ -313,11 +349,12 @@ def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float)
 
 
 def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Recompute | str = Recompute.none) -> float:
-    """A lower bound on the step time of any plan on `mesh` with micro-batches of at most
-    `micro_batch`: its matmuls split perfectly over every rank, and the smallest bubble a
-    pipeline of that many micro-batches can have (interleaved with two chunks, zero-bubble's
-    third of it), nothing else."""
-    eff = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden / mesh.tp, ctx.on_gpu)
+    """A lower bound on the step time of any plan on `mesh` with micro-batches of
+    `micro_batch` sequences (efficiency is not monotone in it: waves of GEMM tiles): its
+    matmuls split perfectly over every rank, and the smallest bubble a pipeline of that many
+    micro-batches can have (interleaved with two chunks, zero-bubble's third of it), nothing
+    else."""
+    eff = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
     busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed, eff)
     m = max(1, ctx.global_batch // (mesh.dp * micro_batch))
     return busy * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, m, 2 if mesh.pp > 1 else 1))

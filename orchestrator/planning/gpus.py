@@ -29,29 +29,31 @@ class GpuSpec:
     """Peak without tensor cores in fp32 (what a `train.precision=fp32` run gets), TFLOP/s."""
     match: tuple[str, ...] = ()
     """Upper-case substrings of NVML product names that identify this model, most specific first."""
+    sms: int = 0
+    """Streaming multiprocessors: how many GEMM tiles run at once (0: unknown, no wave quantization)."""
 
 
 # Most specific first: "H100 PCIE" must match before "H100", "A100-SXM4-40GB" before "A100".
 GPU_TABLE: tuple[GpuSpec, ...] = (
-    GpuSpec("B200", 2250.0, 180 * GB, 8000.0, 75.0, ("B200",)),
-    GpuSpec("H200", 989.0, 141 * GB, 4800.0, 67.0, ("H200",)),
-    GpuSpec("H100-PCIe", 756.0, 80 * GB, 2000.0, 51.0, ("H100 PCIE",)),
-    GpuSpec("H100-NVL", 835.0, 94 * GB, 3900.0, 60.0, ("H100 NVL",)),
-    GpuSpec("H100", 989.0, 80 * GB, 3350.0, 67.0, ("H100", "H800")),
-    GpuSpec("A100-40GB", 312.0, 40 * GB, 1555.0, 19.5, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB")),
-    GpuSpec("A100", 312.0, 80 * GB, 2039.0, 19.5, ("A100", "A800")),
-    GpuSpec("L40S", 362.0, 48 * GB, 864.0, 91.6, ("L40S",)),
-    GpuSpec("L40", 181.0, 48 * GB, 864.0, 90.5, ("L40",)),
-    GpuSpec("L4", 121.0, 24 * GB, 300.0, 30.3, ("L4",)),
-    GpuSpec("A10G", 70.0, 24 * GB, 600.0, 31.2, ("A10G",)),
-    GpuSpec("A10", 125.0, 24 * GB, 600.0, 31.2, ("A10",)),
-    GpuSpec("RTX-A6000", 154.8, 48 * GB, 768.0, 38.7, ("RTX A6000", "A6000")),
-    GpuSpec("A40", 149.7, 48 * GB, 696.0, 37.4, ("A40",)),
-    GpuSpec("RTX-4090", 165.2, 24 * GB, 1008.0, 82.6, ("RTX 4090", "4090")),
-    GpuSpec("RTX-3090", 71.0, 24 * GB, 936.0, 35.6, ("RTX 3090", "3090")),
-    GpuSpec("V100-16GB", 125.0, 16 * GB, 900.0, 15.7, ("V100-SXM2-16GB", "V100-PCIE-16GB")),
-    GpuSpec("V100", 125.0, 32 * GB, 900.0, 15.7, ("V100",)),
-    GpuSpec("T4", 65.0, 16 * GB, 320.0, 8.1, ("T4",)),
+    GpuSpec("B200", 2250.0, 180 * GB, 8000.0, 75.0, ("B200",), sms=148),
+    GpuSpec("H200", 989.0, 141 * GB, 4800.0, 67.0, ("H200",), sms=132),
+    GpuSpec("H100-PCIe", 756.0, 80 * GB, 2000.0, 51.0, ("H100 PCIE",), sms=114),
+    GpuSpec("H100-NVL", 835.0, 94 * GB, 3900.0, 60.0, ("H100 NVL",), sms=132),
+    GpuSpec("H100", 989.0, 80 * GB, 3350.0, 67.0, ("H100", "H800"), sms=132),
+    GpuSpec("A100-40GB", 312.0, 40 * GB, 1555.0, 19.5, ("A100-SXM4-40GB", "A100-PCIE-40GB", "A100 40GB"), sms=108),
+    GpuSpec("A100", 312.0, 80 * GB, 2039.0, 19.5, ("A100", "A800"), sms=108),
+    GpuSpec("L40S", 362.0, 48 * GB, 864.0, 91.6, ("L40S",), sms=142),
+    GpuSpec("L40", 181.0, 48 * GB, 864.0, 90.5, ("L40",), sms=142),
+    GpuSpec("L4", 121.0, 24 * GB, 300.0, 30.3, ("L4",), sms=58),
+    GpuSpec("A10G", 70.0, 24 * GB, 600.0, 31.2, ("A10G",), sms=80),
+    GpuSpec("A10", 125.0, 24 * GB, 600.0, 31.2, ("A10",), sms=72),
+    GpuSpec("RTX-A6000", 154.8, 48 * GB, 768.0, 38.7, ("RTX A6000", "A6000"), sms=84),
+    GpuSpec("A40", 149.7, 48 * GB, 696.0, 37.4, ("A40",), sms=84),
+    GpuSpec("RTX-4090", 165.2, 24 * GB, 1008.0, 82.6, ("RTX 4090", "4090"), sms=128),
+    GpuSpec("RTX-3090", 71.0, 24 * GB, 936.0, 35.6, ("RTX 3090", "3090"), sms=82),
+    GpuSpec("V100-16GB", 125.0, 16 * GB, 900.0, 15.7, ("V100-SXM2-16GB", "V100-PCIE-16GB"), sms=80),
+    GpuSpec("V100", 125.0, 32 * GB, 900.0, 15.7, ("V100",), sms=80),
+    GpuSpec("T4", 65.0, 16 * GB, 320.0, 8.1, ("T4",), sms=40),
 )
 
 # One CPU slot (a gloo rank with a share of the host's cores): a deliberately modest figure.

@@ -262,7 +262,7 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobCon
             speeds.append(s)
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
     memory = min(s.memory_bytes for s in speeds)
-    speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory)
+    speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory, speed.sms)
     c = cfg.cluster
     net_gbps = topo.network.bandwidth_gbps if c.inter_node_gbps is None else c.inter_node_gbps
     net_lat = topo.network.latency_us if c.inter_node_latency_us is None else c.inter_node_latency_us
