@@ -88,13 +88,14 @@ def test_ddp_two_workers_equal_one_worker(cluster, tmp_path):
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], abs=1e-5)
 
 
-def test_pipeline_two_workers_end_at_the_val_loss_of_pp1(cluster, tmp_path):
+def test_pipeline_two_workers_end_at_the_val_loss_of_pp1_and_survive_a_killed_stage(cluster, tmp_path):
     # Two stages (one block each, the embedding on the first, head and loss on the second) run
     # the plan's 4 micro-batches under 1F1B; the same job without a pipeline is ddp on 2 ranks.
-    common = ("train.max_steps=4", "train.eval_interval=2", "train.micro_batch_size=2", "cluster.num_workers=2",
+    common = ("train.max_steps=12", "train.eval_interval=6", "train.micro_batch_size=2", "cluster.num_workers=2",
               "checkpoint.interval=2")
-    one_dir, one, cfg = _run(tmp_path, *common, "parallel.pp=1", "parallel.strategy=ddp")
-    two_dir, two, _ = _run(tmp_path, *common, "parallel.pp=2", "parallel.pp_schedule=1f1b")
+    pp2 = ("parallel.pp=2", "parallel.pp_schedule=1f1b")
+    one_dir, one, cfg = _run(tmp_path / "pp1", *common, "parallel.pp=1", "parallel.strategy=ddp")
+    two_dir, two, _ = _run(tmp_path / "pp2", *common, *pp2)
     plan = json.loads((two_dir / "plan.json").read_text())
     assert plan["mesh"]["pp"] == 2 and plan["execution"]["pipeline"]["microbatches"] == 4
     assert two["final_val_loss"] < one["first_val_loss"]
@@ -103,11 +104,22 @@ def test_pipeline_two_workers_end_at_the_val_loss_of_pp1(cluster, tmp_path):
     w1, w2 = _final_weights(one_dir, cfg), _final_weights(two_dir, cfg)
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
-    # Resuming the pipeline from its mid-run checkpoint ends where the uninterrupted run did.
-    mid = checkpoint.committed(str(two_dir / "checkpoints"))[0]
-    assert Path(mid).name == "step_00000002"
-    _, again, _ = _run(tmp_path, *common, "parallel.pp=2", "parallel.pp_schedule=1f1b", resume=mid)
-    assert again["final_val_loss"] == pytest.approx(two["final_val_loss"], abs=1e-6)
+    # The last stage's process killed mid-run: the pipeline restarts from its last committed
+    # checkpoint and ends exactly where the uninterrupted pipeline did.
+    done = threading.Event()
+    killer = threading.Thread(target=_kill_rank_when, args=(tmp_path / "killed", 1, 3, done), daemon=True)
+    killer.start()
+    try:
+        killed_dir, killed, _ = _run(tmp_path / "killed", *common, *pp2, "train.max_failures=1")
+    finally:
+        done.set()
+    (restart,) = killed["restarts"]
+    assert restart["ranks"] == [1] and restart["resumed_from_step"] % 2 == 0 and restart["resumed_from_step"] >= 2
+    assert killed["steps"] == 12
+    assert killed["final_val_loss"] == pytest.approx(two["final_val_loss"], abs=1e-6)
+    w3 = _final_weights(killed_dir, cfg)
+    for k in w2:
+        torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=1e-6, msg=k)
 
 
 def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threading.Event) -> None:
