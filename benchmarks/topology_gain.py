@@ -20,9 +20,11 @@ host whose load drifts slows both alike; each plan's figure is the median of its
 (the first of every run dropped) over all its rounds.
 
 The job is one whose plan the wiring decides: a GPT with a large vocabulary and a small body
-(n_embd 256, 2 layers, vocab 50304, 32-token blocks, 2 sequences per rank). Its 16M
-parameters make 64 MB of fp32 gradients per step against a few hundred milliseconds of
-compute, so the step is decided by how gradients cross the slow link. Over equal links a flat
+(n_embd 256, 2 layers, vocab 50304, 32-token blocks, 2 sequences per rank). Its 14.5M
+parameters make 58 MB of fp32 gradients per step against about a second of CPU work on a
+2-core host (compute, optimizer, DDP's copies), so up to a few hundred Mbit/s the step is
+decided by how gradients cross the slow link; above that the CPU's own per-parameter costs
+outweigh the bytes the hierarchical schedule saves (benchmarks/README.md has the regime). Over equal links a flat
 ring all-reduce is the cheapest (one collective, no extra in-node steps); over a slow network
 the aware plan reduce-scatters inside each node first, so only 1/K of the gradient crosses the
 network from each rank (per node, n bytes out instead of a flat ring's 2(p-1)/p n). Tensor
