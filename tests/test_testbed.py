@@ -53,6 +53,17 @@ def test_a_shaped_link_carries_its_rate(clean, gbit):
     assert measured == pytest.approx(gbit, rel=0.25)
 
 
+@needs_netns
+def test_a_small_message_pays_the_links_rate_not_a_free_burst(clean):
+    """A real NIC serializes a 64 KiB message at its rate even after a pause; a token bucket
+    that holds a whole GSO packet (64 KiB) refills in the pause and lets the message through at
+    once, and collectives under 100 KiB between bursts of compute then look free."""
+    create(SPEC, 2, Shaping(0.2, 0.0))
+    rtt_ms, _ = tcp_link(SPEC, 0, 1, seconds=0.3, pings=10, ping_bytes=64 << 10, gap_s=0.01)
+    wire_ms = (64 << 10) * 8 / 0.2e9 * 1e3
+    assert rtt_ms >= 0.6 * wire_ms, (rtt_ms, wire_ms)
+
+
 _PROBE_RANK = """
 import json, sys
 sys.path.insert(0, {root!r})

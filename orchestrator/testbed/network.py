@@ -170,6 +170,12 @@ def netem_available() -> bool:
         _ip("netns", "del", ns, check=False)
 
 
+_MTU = 1500
+_GSO_MAX = 65536
+# The smallest bucket: about ten MTU-sized packets, a NIC's worth of queue.
+_SMALL_BURST = 16 << 10
+
+
 def _shape(dev: str, ns: str, shaping: Shaping, delay: bool) -> None:
     """tbf limits the rate; netem (as tbf's parent, where the kernel has it) adds the delay."""
     parent = ["root"]
@@ -179,10 +185,16 @@ def _shape(dev: str, ns: str, shaping: Shaping, delay: bool) -> None:
         parent = ["parent", "1:1"]
     if shaping.rate_gbit > 0:
         rate_bytes = shaping.rate_gbit * 1e9 / 8
-        # The bucket must hold a whole GSO packet (64 KiB); any more lets each message of a
-        # ping-pong start with a free burst, which a real NIC does not give and which makes a
-        # probe overrate the link. 200 us of traffic where that is larger (fast links).
-        burst = max(int(rate_bytes * 0.0002), 96 << 10)
+        # The bucket must hold the largest packet the stack hands the device. With GSO that is
+        # 64 KiB, and a bucket that size lets every small message pass at once, which a real
+        # NIC does not do (on a slow link, collectives under 100 KiB then look nearly free). So
+        # the bucket holds 800 us of the link's traffic (what lets this host's timers keep a
+        # fast link at its rate), at least ten MTU-sized packets, and the device's GSO packets
+        # are capped at half of it; a kernel that refuses the cap keeps a 96 KiB bucket.
+        burst = max(int(rate_bytes * 0.0008), _SMALL_BURST)
+        gso = min(_GSO_MAX, max(_MTU, burst // 2))
+        if _run(["ip", "link", "set", "dev", dev, "gso_max_size", str(gso)], ns=ns, check=False).returncode != 0:
+            burst = max(burst, 96 << 10)
         _run(["tc", "qdisc", "add", "dev", dev, *parent, "handle", "10:", "tbf",
               "rate", f"{shaping.rate_gbit * 1000:.0f}mbit", "burst", str(burst), "latency", "200ms"], ns=ns)
 
@@ -235,16 +247,17 @@ s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print('ready', flush=True)
 c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 for _ in range(int(sys.argv[3])):
-    c.sendall(c.recv(1))
+    c.recv(int(sys.argv[4]), socket.MSG_WAITALL); c.sendall(b'k')
 while c.recv(1 << 20):
     pass
 """
 _CLIENT = """
 import socket, sys, time
 s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-rtts = []
+rtts = []; ping = b'x' * int(sys.argv[5])
 for _ in range(int(sys.argv[3])):
-    t = time.perf_counter(); s.sendall(b'x'); s.recv(1); rtts.append(time.perf_counter() - t)
+    time.sleep(float(sys.argv[6]))
+    t = time.perf_counter(); s.sendall(ping); s.recv(1); rtts.append(time.perf_counter() - t)
 buf = b'x' * (1 << 20); warm = time.perf_counter() + 0.3; n = 0
 while time.perf_counter() < warm:
     s.sendall(buf)
@@ -255,17 +268,20 @@ print(sorted(rtts)[len(rtts) // 2], n * 8 / (time.perf_counter() - t0) / 1e9)
 """
 
 
-def tcp_link(spec: NetworkSpec, src: int, dst: int, seconds: float = 1.0, pings: int = 20) -> tuple[float, float]:
-    """(median round trip in ms, TCP throughput in Gbit/s) from node `src` to node `dst`:
-    what the shaping lets through, before any collective library adds its own costs."""
+def tcp_link(spec: NetworkSpec, src: int, dst: int, seconds: float = 1.0, pings: int = 20,
+             ping_bytes: int = 1, gap_s: float = 0.0) -> tuple[float, float]:
+    """(median round trip in ms of a `ping_bytes` message and a 1-byte answer, each after
+    `gap_s` of silence, TCP throughput in Gbit/s) from node `src` to node `dst`: what the
+    shaping lets through, before any collective library adds its own costs."""
     import sys
 
     addr, port = spec.address(dst), 5599
     server = subprocess.Popen(["ip", "netns", "exec", spec.node_ns(dst), sys.executable, "-c", _SERVER,
-                               addr, str(port), str(pings)], stdout=subprocess.PIPE, text=True)
+                               addr, str(port), str(pings), str(ping_bytes)], stdout=subprocess.PIPE, text=True)
     try:
         server.stdout.readline()  # 'ready': listening
-        res = _run([sys.executable, "-c", _CLIENT, addr, str(port), str(pings), str(seconds)], ns=spec.node_ns(src))
+        res = _run([sys.executable, "-c", _CLIENT, addr, str(port), str(pings), str(seconds), str(ping_bytes),
+                    str(gap_s)], ns=spec.node_ns(src))
         rtt, gbit = (float(x) for x in res.stdout.split())
         return rtt * 1e3, gbit
     finally:
