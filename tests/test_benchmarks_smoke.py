@@ -47,13 +47,16 @@ def test_cost_model_prediction_is_the_planners_own():
 
     n, p, lat, bw = 64 << 20, 4, 20.0, 5.0
     mem = CPU_SLOT.mem_gbps
+    # NCCL's all-gather and reduce-scatter at the group level carry NCCL's own ring latency.
+    node = comm.GroupLinks(size=p, per_node=p, intra_gbps=bw, intra_lat_us=lat, inter_gbps=float("inf"),
+                           inter_lat_us=0.0)
     planner = {
         "gloo": {"all_reduce": lambda: comm.gloo_all_reduce(n, p, bw, lat, mem),
                  "reduce_scatter": lambda: comm.gloo_reduce_scatter(n, p, bw, lat, mem),
                  "all_gather": lambda: comm.gloo_all_gather(n, p, bw, lat, mem)},
         "nccl": {"all_reduce": lambda: comm.all_reduce(n, p, bw, lat)[0],
-                 "reduce_scatter": lambda: comm.reduce_scatter(n, p, bw, lat),
-                 "all_gather": lambda: comm.all_gather(n, p, bw, lat)},
+                 "reduce_scatter": lambda: comm.nccl_ring_seconds(n, node),
+                 "all_gather": lambda: comm.nccl_ring_seconds(n, node)},
     }
     for backend, ops in planner.items():
         assert set(ops) == set(cost_model.OPS)
