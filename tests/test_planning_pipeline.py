@@ -229,3 +229,17 @@ def test_pipeline_explanation_names_a_tied_head_only_where_the_model_ties_it():
     last = [line for line in untied.explanation if line.startswith("stage 1:")]
     assert last and "head and loss" in last[0] and "tied" not in last[0]
     assert any(line.startswith("stage 1:") and "tied copy of the embedding" in line for line in tied.explanation)
+
+
+def test_a_batch_only_a_pipeline_can_split_gets_one_and_a_smaller_one_is_told_why():
+    from orchestrator.errors import PlanError
+
+    model = ["model.n_layer=8", "model.n_head=16", "model.n_embd=1024", "model.block_size=2048",
+             "train.precision=bf16", "parallel.pp=auto"]
+    # 48 sequences on 256 GPUs: no tensor-parallel degree of a node leaves a data-parallel size
+    # that divides 48 (32, 64, ...); a pipeline does (tp=8, pp=2: 16 ranks of 3 sequences).
+    plan = plan_job(load_config(None, [*model, "train.global_batch_size=48"]), dgx_a100(32))
+    assert plan.mesh.pp > 1 and 48 % plan.mesh.dp == 0 and 48 // plan.mesh.dp >= plan.mesh.pp
+    # 16 cannot run at all: a pipeline's p stages need p micro-batches on every rank.
+    with pytest.raises(PlanError, match=r"use a multiple of 32 \(tp=8\).*a pipeline does not help below 32"):
+        plan_job(load_config(None, [*model, "train.global_batch_size=16"]), dgx_a100(32))

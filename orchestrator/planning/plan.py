@@ -488,8 +488,12 @@ def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shap
     dps = sorted({world // t for t in tps if world % t == 0})
     if dps and all(gb % d for d in dps):
         ok = " or ".join(f"{d} (tp={world // d})" for d in dps)
+        # A pipeline divides the data-parallel size by p but needs p micro-batches on every
+        # rank, so no batch smaller than the smallest data-parallel size fits with one either.
+        pipe = (f"; a pipeline does not help below {dps[0]} sequences (p stages need p micro-batches "
+                "on every data-parallel rank)") if cons.pp != 1 and gb < dps[0] else ""
         return (f"train.global_batch_size={gb} is not a multiple of the data-parallel size on {world} ranks; "
-                f"use a multiple of {ok}")
+                f"use a multiple of {ok}{pipe}")
     reasons = Counter(r.reason for r in res.rejected)
     first = reasons.most_common(1)[0][0] if reasons else "no mesh matches the cluster"
     return f"no plan can be laid out on {world} ranks under " + (", ".join(cons.forced()) or "these settings") + \
