@@ -116,10 +116,13 @@ class ParallelConfig:
     """Tensor-parallel degree (inside an NVLink domain); `auto` lets the planner choose."""
     dp_shard: Union[int, str] = "auto"
     """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
-    pp: Union[int, str] = 1
-    """Pipeline stages (the outermost mesh axis, across the slowest links); `auto` to plan.
-    1 by default, which keeps the search of plans without a pipeline as it was; `auto` adds
-    pipelines whose stages fill whole nodes. The accumulation steps are the micro-batches."""
+    pp: Union[int, str] = "auto"
+    """Pipeline stages (the outermost mesh axis, across the slowest links). `auto` (the
+    default) searches every degree whose stages fill whole nodes and divide the blocks, for a
+    model that names its ends (one node, a model without ends, or a forced
+    `parallel.sync=hierarchical` or `parallel.compression=powersgd`, DDP comm hooks a
+    pipeline's FSDP2 stages do not run, gets none); 1 turns pipelines off. The accumulation
+    steps are the micro-batches."""
     pp_schedule: PipelineSchedule = PipelineSchedule.auto
     """Pipeline schedule: `auto`, `gpipe`, `1f1b`, `interleaved_1f1b` or `zero_bubble`
     (torch's interleaved zero-bubble schedule)."""

@@ -89,7 +89,8 @@ def test_cube_mesh_splits_into_fully_connected_quads():
 
 def test_hsdp_shard_groups_stay_inside_a_node():
     node = load_topology_file(FIX / "topo_h100_8gpu_mlengineering.txt", "H100")
-    plan = _plan(node, "parallel.strategy=hsdp", "parallel.dp_shard=8", "parallel.tp=1", gpu="H100", nodes=4)
+    plan = _plan(node, "parallel.strategy=hsdp", "parallel.dp_shard=8", "parallel.tp=1", "parallel.pp=1", gpu="H100",
+                 nodes=4)
     node_of = dict(enumerate(plan.node_of_rank))
     for g in plan.groups["dp_shard"]:
         assert len({node_of[r] for r in g}) == 1

@@ -208,13 +208,15 @@ def test_auto_pipelines_where_the_paper_measured_ptdp_ahead_of_sharded_data_para
     assert ptdp * 0.9 <= predicted <= ptdp * 1.4, predicted
 
 
-def test_the_default_pp_says_how_to_search_pipelines_on_several_nodes():
-    row = TABLE_1[4]
-    plan = plan_job(load_config(None, [x for x in _model(row) if not x.startswith("parallel.pp")]), dgx_a100(4))
-    assert plan.mesh.pp == 1
-    assert any(line.startswith("pipeline: none, parallel.pp=1") for line in plan.explanation)
-    forced = plan_job(load_config(None, _model(row)[:-1] + ["parallel.pp=2", "parallel.tp=8"]), dgx_a100(4))
-    assert forced.mesh.pp == 2 and not any(line.startswith("pipeline: none") for line in forced.explanation)
+def test_pipelines_are_searched_by_default_and_pp_1_turns_them_off():
+    billions, a, h, l, batch, _, runs = TABLE_2[0]
+    row = (billions, a, h, l, 1, 1, runs[1][0], batch, 0)
+    default = [x for x in _model(row) if not x.startswith("parallel.pp")]
+    plan = plan_job(load_config(None, default), dgx_a100(runs[1][0] // 8))
+    assert plan.mesh.pp > 1 and not any(line.startswith("pipeline: none") for line in plan.explanation)
+    off = plan_job(load_config(None, default + ["parallel.pp=1"]), dgx_a100(runs[1][0] // 8))
+    assert off.mesh.pp == 1 and off.step_time.total_s > plan.step_time.total_s
+    assert any(line.startswith("pipeline: none, parallel.pp=1") for line in off.explanation)
 
 
 def test_pipeline_explanation_names_a_tied_head_only_where_the_model_ties_it():

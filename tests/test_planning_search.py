@@ -42,7 +42,8 @@ def test_contract_round_trips_and_is_consistent():
     m = d["memory_per_rank"]
     assert m["total"] == sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers"))
     s = d["step_time"]
-    assert s["total_s"] == pytest.approx(s["compute_s"] + s["exposed_comm_s"]) and s["exposed_comm_s"] <= s["comm_s"]
+    assert s["total_s"] == pytest.approx(s["compute_s"] + s["bubble_s"] + s["exposed_comm_s"])
+    assert s["exposed_comm_s"] <= s["comm_s"] and (s["bubble_s"] > 0) == (d["mesh"]["pp"] > 1)
     dp = d["mesh"]["dp_replicate"] * d["mesh"]["dp_shard"]
     assert d["sync"]["grad_accum_steps"] * d["micro_batch_size"] * dp == 64
     assert [r["rank"] for r in d["ranks"]] == list(range(16)) and {r["node"] for r in d["ranks"]} == {"node0", "node1"}
@@ -108,11 +109,15 @@ def test_properties_groups_partition_ranks_and_fitting_plans_fit(nodes, capture,
     cluster = _cluster(node, nodes, gpu=gpu)
     world = 8 * nodes
     # Tensor parallelism stays inside a node and divides the 16 heads: the data-parallel sizes
-    # a mesh can have are world / tp for tp in 1, 2, 4, 8, and hsdp needs a shard group strictly
-    # between 1 and them (so at least 4 data-parallel ranks). A batch none of them divides is the
-    # one error to expect (e.g. 6 sequences on 32 ranks); every other job is planned.
-    dps = [world // tp for tp in (1, 2, 4, 8) if strategy != "hsdp" or world // tp >= 4]
-    if all(batch % dp for dp in dps):
+    # a mesh can have are world / (tp * pp) for tp in 1, 2, 4, 8 and, on several nodes, pp
+    # stages that fill whole nodes and divide the blocks, each needing at least pp micro-batches
+    # per rank; hsdp needs a shard group strictly between 1 and them (so at least 4 data-parallel
+    # ranks). A batch none of them takes is the one error to expect (e.g. 6 sequences on 8
+    # ranks); every other job is planned.
+    pps = [1] + [p for p in range(2, layers + 1) if nodes > 1 and layers % p == 0 and nodes % p == 0]
+    meshes = [(world // (tp * p), p) for tp in (1, 2, 4, 8) for p in pps if (world // p) % 8 == 0]
+    dps = [dp for dp, p in meshes if (strategy != "hsdp" or dp >= 4) and batch % dp == 0 and batch // dp >= p]
+    if not dps:
         with pytest.raises(PlanError, match=f"train.global_batch_size={batch} is not a multiple"):
             plan_job(cfg, cluster)
         return

@@ -254,7 +254,7 @@ def test_a_plans_execution_is_resolve_of_its_own_choices(overrides, nodes):
     cfg, plan = _plan_and_request(overrides, _h100(nodes))
     again = resolve(plan.strategy, plan.mesh, precision=cfg.train.precision, device="gpu", recompute=plan.recompute,
                     compression=_requested(cfg, plan), algorithm=plan.sync.algorithm, bucket_mb=plan.sync.bucket_mb,
-                    max_steps=cfg.train.max_steps)
+                    max_steps=cfg.train.max_steps, pipeline=plan.execution.pipeline)
     assert plan.execution == again
     # What the plan says about sync is what runs.
     assert plan.sync.compression == plan.execution.compression

@@ -26,7 +26,7 @@ from .model_spec import ModelSpec
 from .nics import assign_nics
 from .pipeline import Pipeline
 from .resolve import Execution
-from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, search
+from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, asks_for_ddp_hooks, search
 from .sync import SyncPlan, powersgd_ratio
 
 GB = 1e9
@@ -364,8 +364,11 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
     if e.execution.pipeline is not None:
         lines += pipeline_lines(e, ctx, cl, topo)
     elif cons.pp == 1 and len(topo.nodes) > 1:
-        lines.append("pipeline: none, parallel.pp=1 (the default); parallel.pp=auto also searches pipelines "
+        lines.append("pipeline: none, parallel.pp=1; parallel.pp=auto (the default) also searches pipelines "
                      "whose stages fill whole nodes")
+    elif cons.pp is None and len(topo.nodes) > 1 and asks_for_ddp_hooks(cons):
+        lines.append("pipeline: none searched: parallel.sync=hierarchical and parallel.compression=powersgd are "
+                     "DDP comm hooks, which a pipeline's FSDP2 stages do not run (parallel.pp=2 forces one)")
     lines += [f"runs as: {note}" for note in e.execution.notes]
     return lines
 

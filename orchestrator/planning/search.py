@@ -116,6 +116,12 @@ def _simplicity(e: Estimate) -> tuple:
             c.compression != Compression.none, -c.micro_batch)
 
 
+def asks_for_ddp_hooks(cons: Constraints) -> bool:
+    """A forced hierarchical all-reduce or PowerSGD: DDP comm hooks, which a pipeline's FSDP2
+    stages do not run, so `auto` searches no pipeline for them."""
+    return cons.algorithm == SyncAlgorithm.hierarchical or cons.compression == Compression.powersgd
+
+
 def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints, splittable: bool = True) -> list[int]:
     """Pipeline degrees worth searching: the forced one; else 1 and, on more than one node, every
     degree whose stages fill whole nodes (the pipeline crosses the network, tensor and data
@@ -125,6 +131,8 @@ def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints, splitta
         return [cons.pp]
     if not splittable:
         return [1]  # the model names no ends to cut a pipeline at
+    if asks_for_ddp_hooks(cons):
+        return [1]
     return [1] + [p for p in divisors(world) if 1 < p <= layers and layers % p == 0 and (world // p) % g == 0
                   and world // p >= g and world > g]
 
