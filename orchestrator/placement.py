@@ -32,12 +32,20 @@ class Placement:
     actors: list[Any]
     reports: list[dict[str, Any]] = field(default_factory=list)
 
-    def release(self) -> None:
+    def release(self, wait_s: float = 10.0) -> None:
+        """Kill every actor and free the group; return once the actors are gone (at most
+        `wait_s`): a rank killed while it commits a checkpoint could otherwise commit it after
+        the next attempt chose where to resume from."""
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # already dead: that is what we wanted
                 pass
+        try:
+            # A call on a killed actor fails once it is dead.
+            ray.wait([a.__ray_ready__.remote() for a in self.actors], num_returns=len(self.actors), timeout=wait_s)
+        except Exception:
+            pass
         try:
             remove_placement_group(self.group)
         except Exception:

@@ -190,12 +190,16 @@ def run_job(
                 run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
             raise
         except Regrow as g:
+            # The old world trained on until its actors were gone and may have committed a newer
+            # checkpoint than the one that set off the regrow: resume from the newest whole one
+            # (re-training from the older would then find its step already committed).
+            found = latest_whole_checkpoint(ckpt_dir, console)
+            resume, step = found if found and found[1] > g.step else (g.checkpoint, g.step)
             state.restarts.append({"time": _now(), "reason": g.reason, "ranks": [], "nodes": [], "grow": True,
-                                   "failed_at_step": state.last_step, "resumed_from_step": g.step,
-                                   "steps_lost": max(0, state.last_step - g.step)})
-            console.print(f"[green]{escape(g.reason)}:[/] re-planning from step {g.step}")
-            resume = g.checkpoint
-            state.rewind(g.step)
+                                   "failed_at_step": state.last_step, "resumed_from_step": step,
+                                   "steps_lost": max(0, state.last_step - step)})
+            console.print(f"[green]{escape(g.reason)}:[/] re-planning from step {step}")
+            state.rewind(step)
             run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in state.rows))
         except WorkerFailure as f:
             found = latest_whole_checkpoint(ckpt_dir, console)
