@@ -144,3 +144,20 @@ def test_worker_output_goes_to_rank_logs_and_the_console_shows_what_matters(tmp_
 def test_classify(line, expected):
     found = classify(line)
     assert (found[0] if found else None) == expected
+
+
+def test_a_stopped_summary_counts_the_step_its_newest_checkpoint_proves(tmp_path):
+    # The signal can land after a step's checkpoint is committed and before the driver wrote
+    # that step's metrics line: the checkpoint says how far the run got.
+    from orchestrator.config import load_config
+    from orchestrator.runtime.stopped import stopped_summary
+
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [f"monitor.runs_dir={tmp_path}"])
+    run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    run.write_text("metrics.jsonl", json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    for step in (1, 2):
+        (run.checkpoints / f"step_{step:08d}").mkdir(parents=True)
+        (run.checkpoints / f"step_{step:08d}" / "meta.json").write_text(json.dumps({"step": step}))
+    (run.checkpoints / "step_00000003").mkdir()  # being written: not committed, proves nothing
+    summary = stopped_summary(cfg, run, "SIGTERM", 1.0)
+    assert summary["steps"] == 2 and len(summary["checkpoints"]) == 2

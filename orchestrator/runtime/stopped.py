@@ -8,6 +8,7 @@ continued with `submit --resume RUN_DIR`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..config import JobConfig
@@ -39,11 +40,14 @@ def stopped_summary(cfg: JobConfig, run: RunDir, signal_name: str, wall_s: float
         checkpoints = checkpoint.committed(ckpt_dir)
     except Exception:  # storage unreachable: the summary still says the run stopped
         checkpoints = []
+    # A committed checkpoint proves its step finished even when the signal came before the
+    # driver wrote that step's metrics line.
+    saved = [int(m.group(1)) for c in checkpoints if (m := re.search(r"step_(\d+)/?$", c))]
     summary = {
         "job": cfg.name,
         "stopped": True,
         "signal": signal_name,
-        "steps": rows[-1]["step"] if rows else 0,
+        "steps": max([rows[-1]["step"] if rows else 0, *saved]),
         "max_steps": cfg.train.max_steps,
         "final_train_loss": rows[-1]["loss"] if rows else None,
         "final_val_loss": vals[-1] if vals else None,
