@@ -35,6 +35,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(path: str) -> int | None:
+    """The step a checkpoint directory's name holds (`.../step_00000024` is 24); None for any
+    other name."""
+    m = _STEP_DIR.match(str(path).rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
 def _fs(root: str):
     fs, path = fsspec.core.url_to_fs(str(root))
     return fs, path.rstrip("/")
@@ -174,10 +181,9 @@ def committed(root: str) -> list[str]:
         return []
     found = []
     for entry in fs.ls(base, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        m = _STEP_DIR.match(name)
-        if m and fs.exists(f"{entry}/{META}"):
-            found.append((int(m.group(1)), _url(fs, entry.rstrip("/"))))
+        step = step_of(entry)
+        if step is not None and fs.exists(f"{entry}/{META}"):
+            found.append((step, _url(fs, entry.rstrip("/"))))
     return [p for _, p in sorted(found)]
 
 

@@ -8,7 +8,6 @@ continued with `submit --resume RUN_DIR`.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from ..config import JobConfig
@@ -42,7 +41,7 @@ def stopped_summary(cfg: JobConfig, run: RunDir, signal_name: str, wall_s: float
         checkpoints = []
     # A committed checkpoint proves its step finished even when the signal came before the
     # driver wrote that step's metrics line.
-    saved = [int(m.group(1)) for c in checkpoints if (m := re.search(r"step_(\d+)/?$", c))]
+    saved = [s for s in map(checkpoint.step_of, checkpoints) if s is not None]
     summary = {
         "job": cfg.name,
         "stopped": True,
