@@ -323,18 +323,13 @@ def test_wide_zero3_pays_per_unit_latency_copies_and_overlap():
 
 def _dgx_a100_job(nodes: int, layers: int):
     """(JobContext, topology) of a 39B-wide GPT with `layers` blocks, 16 sequences per node, on
-    DGX A100 nodes (200 GB/s per node)."""
-    from pathlib import Path
+    DGX A100 nodes."""
+    from clusters import dgx_a100
 
     from orchestrator.config import load_config
-    from orchestrator.planning.describe import describe_cluster
     from orchestrator.planning.plan import job_context
-    from orchestrator.topology.files import load_topology_file
-    from orchestrator.topology.model import Network
 
-    fixture = Path(__file__).resolve().parent / "fixtures" / "topology" / "topo_a100_8gpu_mlengineering.txt"
-    node = load_topology_file(fixture, "A100")
-    topo = describe_cluster(node, nodes, Network(bandwidth_gbps=200.0, latency_us=3.0), "A100")
+    topo = dgx_a100(nodes)
     model = [f"model.n_layer={layers}", "model.n_head=64", "model.n_embd=8192", "model.vocab_size=51200",
              "model.block_size=2048", f"train.global_batch_size={nodes * 16}", "train.precision=bf16"]
     return job_context(load_config(None, model), topo), topo

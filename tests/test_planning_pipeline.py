@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from clusters import dgx_a100
 
 from orchestrator.choices import PipelineSchedule
 from orchestrator.config import load_config
 from orchestrator.planning import plan_job
 from orchestrator.planning.cost import Choice, estimate
-from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout, in_node_shape
 from orchestrator.planning.memory import rank_memory
 from orchestrator.planning.mesh import Mesh
@@ -25,16 +25,8 @@ from orchestrator.planning.pipeline import (
     stage_share,
 )
 from orchestrator.planning.plan import Plan, job_context
-from orchestrator.topology.files import load_topology_file
-from orchestrator.topology.model import Network
 
-A100_CAPTURE = "conf/topologies/a100-8gpu-nvswitch.txt"
 GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
-
-
-def dgx_a100(nodes: int):
-    node = load_topology_file(A100_CAPTURE, "A100")
-    return describe_cluster(node, nodes, Network(bandwidth_gbps=200.0, latency_us=3.0, source="config"), "A100")
 
 
 def test_bubble_is_narayanans_and_shrinks_with_microbatches_and_chunks():

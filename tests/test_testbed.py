@@ -47,10 +47,17 @@ def _host_links() -> str:
 @needs_netns
 @pytest.mark.parametrize("gbit", [0.2, 0.5])
 def test_a_shaped_link_carries_its_rate(clean, gbit):
+    """Never faster than asked; as fast as asked within 25% in the best of three seconds, since
+    a busy virtual host can only take rate away (a late timer loses tokens), never add it."""
     addrs, _ = create(SPEC, 2, Shaping(gbit, 0.0))
     assert addrs == ["198.18.200.1", "198.18.200.2"]
-    _, measured = tcp_link(SPEC, 0, 1, seconds=1.0)
-    assert measured == pytest.approx(gbit, rel=0.25)
+    measured = []
+    for _ in range(3):
+        measured.append(tcp_link(SPEC, 0, 1, seconds=1.0)[1])
+        assert measured[-1] <= 1.1 * gbit, measured
+        if measured[-1] >= 0.75 * gbit:
+            break
+    assert max(measured) == pytest.approx(gbit, rel=0.25), measured
 
 
 @needs_netns
