@@ -14,12 +14,30 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+def run(main: Callable[[], int | None]) -> NoReturn:
+    """Run a benchmark's `main` as the CLI runs a command: a UserError (a bad value, a network
+    that cannot be made here) is one line on stderr and exit code 2; `--debug` keeps its traceback."""
+    from orchestrator.errors import UserError
+
+    debug = "--debug" in sys.argv
+    if debug:
+        sys.argv.remove("--debug")
+    try:
+        code = main()
+    except UserError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    raise SystemExit(code or 0)
 
 
 def parse_args(doc: str, argv: Sequence[str] | None, extra=None) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from _common import parse_args, print_table, rel_error, write_result
+from _common import parse_args, print_table, rel_error, run, write_result
 
 GOAL_ERROR = 0.10
 COMMON = ["train.precision=fp32", "checkpoint.enabled=false", "parallel.strategy=ddp", "parallel.tp=1"]
@@ -125,4 +125,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse_args, print_table, write_result  # noqa: E402
+from _common import parse_args, print_table, run, write_result  # noqa: E402
 
 
 def _model(params_m: float):
@@ -115,4 +115,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import parse_args, print_table, rel_error, write_result
+from _common import parse_args, print_table, rel_error, run, write_result
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 KIB, MIB = 1 << 10, 1 << 20
@@ -478,4 +478,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import parse_args, print_table, rel_error, write_result
+from _common import parse_args, print_table, rel_error, run, write_result
 
 GOAL_ERROR = 0.05
 STATES = ("params", "grads", "optimizer")
@@ -171,4 +171,4 @@ def one_model(label: str, model: list[str], world: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

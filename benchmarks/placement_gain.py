@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, parse_args, print_table, write_result
+from _common import ROOT, parse_args, print_table, run, write_result
 
 FIXTURES = ROOT / "tests" / "fixtures" / "topology"
 SHAPES = ROOT / "conf" / "cluster"
@@ -226,4 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

@@ -14,6 +14,8 @@ import json
 import time
 from pathlib import Path
 
+from _common import run
+
 from orchestrator.config import load_config
 from orchestrator.planning import plan_job
 from orchestrator.planning.describe import describe_cluster
@@ -64,4 +66,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

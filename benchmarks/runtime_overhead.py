@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, child_env, parse_args, print_table, python, steady_mean, write_result
+from _common import ROOT, child_env, parse_args, print_table, python, run, steady_mean, write_result
 
 JOB = ROOT / "jobs" / "llm.yaml"
 WORLD = 2
@@ -252,4 +252,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, parse_args, print_table, rel_error, write_result
+from _common import ROOT, parse_args, print_table, rel_error, run, write_result
 
 JOB = ROOT / "jobs" / "llm.yaml"
 LLAMA = ["model.factory=orchestrator.workloads.llama:build", "model.args.dim=128", "model.args.n_layers=4",
@@ -88,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

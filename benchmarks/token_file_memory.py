@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, child_env, parse_args, print_table, write_result  # noqa: E402
+from _common import ROOT, child_env, parse_args, print_table, run, write_result  # noqa: E402
 
 VOCAB = 4096  # ids of the dense file; small, so the run measures the data path, not a large output layer
 
@@ -135,4 +135,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, parse_args, print_table, rel_error, write_result
+from _common import ROOT, parse_args, print_table, rel_error, run, write_result
 
 JOB = ROOT / "jobs" / "llm.yaml"
 MODEL = ["model.n_layer=2", "model.n_head=4", "model.n_embd=256", "model.vocab_size=50304", "model.block_size=32",
@@ -64,6 +64,9 @@ def _extra(ap) -> None:
                     help="inter-node one-way delay, ms (applied only where the kernel has netem)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 10, --quick 6)")
     ap.add_argument("--rounds", type=int, default=None, help="aware/blind pairs of runs (default 3, --quick 1)")
+    ap.add_argument("--prefix", default="orch-", help="name prefix of the shaped network's namespaces; "
+                    "a second run beside a live one needs its own, and its own --subnet")
+    ap.add_argument("--subnet", default="198.18.0.0/24", help="the nodes' addresses, inside 198.18.0.0/15")
 
 
 def _in_head(cluster, args: list[str], env: dict[str, str]) -> str:
@@ -110,12 +113,13 @@ def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, _extra)
     from orchestrator.testbed.cluster import ClusterSpec, ShapedCluster
-    from orchestrator.testbed.network import Shaping
+    from orchestrator.testbed.network import NetworkSpec, Shaping
 
     steps = args.steps or (6 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 3)
     t0 = time.perf_counter()
-    spec = ClusterSpec(nodes=args.nodes, slots_per_node=args.per_node, shaping=Shaping(args.inter_gbit, args.inter_ms))
+    spec = ClusterSpec(nodes=args.nodes, slots_per_node=args.per_node, shaping=Shaping(args.inter_gbit, args.inter_ms),
+                       network=NetworkSpec(args.prefix, args.subnet))
     loads = []
     with tempfile.TemporaryDirectory(prefix="topology-gain-") as tmp, ShapedCluster(spec) as cluster:
         env = {"ORCHESTRATOR_MEASURE_CACHE": f"{tmp}/measure"}
@@ -192,4 +196,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

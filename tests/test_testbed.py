@@ -110,8 +110,8 @@ def test_the_host_network_is_untouched_and_teardown_leaves_nothing(clean):
     assert len(removed) == 3 and namespaces(SPEC.prefix) == []
 
 
-@needs_netns
-def test_a_crashed_owner_leaves_namespaces_that_the_next_start_removes(clean):
+def _owner() -> subprocess.Popen:
+    """Another process that makes the network, starts a process inside it, and lives on."""
     code = (f"import sys, subprocess; sys.path.insert(0, {str(ROOT)!r})\n"
             "from orchestrator.testbed.network import NetworkSpec, Shaping, create\n"
             f"spec = NetworkSpec(prefix={SPEC.prefix!r}, subnet={SPEC.subnet!r})\n"
@@ -120,6 +120,27 @@ def test_a_crashed_owner_leaves_namespaces_that_the_next_start_removes(clean):
             "print('up', flush=True); subprocess.run(['sleep', '600'])\n")
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert owner.stdout.readline().strip() == "up"
+    return owner
+
+
+@needs_netns
+def test_a_live_owners_network_is_refused_by_name_and_left_running(clean):
+    """Two benchmark runs started with one prefix: the second must not tear down the first."""
+    owner = _owner()
+    try:
+        for attempt in (lambda: create(SPEC, 1, Shaping(1.0, 0.0)), lambda: remove(SPEC.prefix)):
+            with pytest.raises(ShapedNetworkError, match=f"'orchci-' is in use by process {owner.pid};"):
+                attempt()
+            assert sorted(namespaces(SPEC.prefix)) == ["orchci-br", "orchci-n0", "orchci-n1"]
+            assert pids_in(SPEC.node_ns(1))
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+@needs_netns
+def test_a_crashed_owner_leaves_namespaces_that_the_next_start_removes(clean):
+    owner = _owner()
     owner.send_signal(signal.SIGKILL)  # no atexit, no handler: a crash
     owner.wait()
     deadline = time.monotonic() + 5

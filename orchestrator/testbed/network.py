@@ -11,7 +11,9 @@ to another waits `delay_ms` and crosses two links of `rate_gbit`. (A kernel with
 stays unshaped: that is the intra-node path.
 
 Every object is named with the network's prefix (`orch-` by default), so a crash leaves
-nothing that the next start with the same prefix does not find and remove.
+nothing that the next start with the same prefix does not find and remove. A live network's
+prefix is claimed by its process (an advisory lock the kernel drops when the process dies), so
+a second run with the same prefix is refused by name instead of tearing the first one down.
 """
 
 from __future__ import annotations
@@ -92,16 +94,17 @@ def available() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
+    ns = f"orchprobe-x{os.getpid()}"  # its own: two runs may ask at once
     try:
-        _ip("netns", "add", "orchprobe-x")
+        _ip("netns", "add", ns)
     except ShapedNetworkError as e:
         return f"cannot create a network namespace: {e}"
     try:
         if _run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "256k",
-                 "latency", "50ms"], ns="orchprobe-x", check=False).returncode != 0:
+                 "latency", "50ms"], ns=ns, check=False).returncode != 0:
             return "the kernel has no `tbf` qdisc to limit a link's rate"
     finally:
-        _ip("netns", "del", "orchprobe-x", check=False)
+        _ip("netns", "del", ns, check=False)
     return None
 
 
@@ -129,13 +132,53 @@ def pids_in(ns: str) -> list[int]:
     return [int(p) for p in res.stdout.split() if p.isdigit()]
 
 
+_CLAIMS: dict[str, int] = {}
+"""Prefix -> the open lock file by which this process holds the network of that prefix."""
+
+
+def _claim(prefix: str) -> None:
+    """Hold `prefix` for this process, or raise naming the live process that holds it."""
+    import fcntl
+
+    if prefix in _CLAIMS:
+        return
+    path = f"/tmp/orchestrator-netns-{prefix}lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ShapedNetworkError(
+            f"the shaped network {prefix!r} is in use by process {holder}; give this run another "
+            "network prefix and subnet, or stop that one") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _CLAIMS[prefix] = fd
+
+
+def _release(prefix: str) -> None:
+    fd = _CLAIMS.pop(prefix, None)
+    if fd is not None:
+        os.close(fd)  # closing drops the lock
+
+
 def remove(prefix: str) -> list[str]:
     """Kill every process inside, and delete, each namespace named with `prefix`.
 
     Only processes inside these namespaces are touched: they can only be ones this network
     started, since nobody else's process lives in a namespace of this name. Deleting a
-    namespace deletes its veth ends (and their peers), the bridge and their qdiscs.
+    namespace deletes its veth ends (and their peers), the bridge and their qdiscs. A network
+    another live process holds is refused (ShapedNetworkError), not removed.
     """
+    _claim(prefix)
+    try:
+        return _remove_claimed(prefix)
+    finally:
+        _release(prefix)
+
+
+def _remove_claimed(prefix: str) -> list[str]:
     import signal
     import time
 
@@ -161,7 +204,7 @@ def remove(prefix: str) -> list[str]:
 
 def netem_available() -> bool:
     """Whether this kernel has the `netem` qdisc (sch_netem), which adds the delay."""
-    ns = "orchprobe-q"
+    ns = f"orchprobe-q{os.getpid()}"  # its own: two runs may ask at once
     _ip("netns", "add", ns, check=False)
     try:
         return _run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], ns=ns,
@@ -220,6 +263,7 @@ def create(spec: NetworkSpec, nodes: int, shaping: Shaping) -> tuple[list[str], 
     if why:
         raise ShapedNetworkError(why)
     remove(spec.prefix)
+    _claim(spec.prefix)  # held until `remove`, or until this process ends
     delay = shaping.delay_ms > 0 and netem_available()
     prefixlen = ipaddress.ip_network(spec.subnet).prefixlen
     br = spec.bridge_ns
