@@ -32,6 +32,21 @@ def test_write_result_records_machine_command_and_figures(tmp_path):
     assert data["machine"]["cpu_cores"] >= 1 and data["machine"]["torch"]
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_bad_value_is_one_line_and_exit_2_with_the_traceback_under_debug(debug):
+    import subprocess
+
+    res = subprocess.run([sys.executable, str(BENCH / "topology_gain.py"), "--subnet", "10.0.0.0/24",
+                          *(["--debug"] if debug else [])], capture_output=True, text=True, timeout=120)
+    if debug:
+        assert res.returncode == 1 and "Traceback" in res.stderr
+    else:
+        assert res.returncode == 2 and res.stdout == ""
+        assert res.stderr.strip().splitlines() == [
+            "error: subnet 10.0.0.0/24: must lie inside 198.18.0.0/15 (RFC 2544), so that nothing is routed off "
+            "the machine"]
+
+
 def test_steady_mean_skips_the_warm_up_steps():
     assert _common.steady_mean([10.0] * 2 + [1.0] * 8) == 1.0
     assert _common.steady_mean([5.0, 1.0, 1.0, 1.0, 1.0]) == 1.0
