@@ -48,7 +48,9 @@ def parse_args(doc: str, argv: Sequence[str] | None, extra=None) -> argparse.Nam
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead of benchmarks/results/")
     if extra is not None:
         extra(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the result records the command as given
+    return args
 
 
 def machine() -> dict[str, Any]:
@@ -82,13 +84,23 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _command(name: str, args: argparse.Namespace) -> str:
+    """The command line that made a result: the script run (NAME.py when called from elsewhere,
+    as a test does) and every argument it was given, so the figure can be made again."""
+    import shlex
+
+    script = Path(sys.argv[0])
+    script = script.name if script.parent.resolve() == ROOT / "benchmarks" else f"{name}.py"
+    return shlex.join(["python", f"benchmarks/{script}", *getattr(args, "argv", [])])
+
+
 def write_result(name: str, figures: dict[str, Any], args: argparse.Namespace) -> Path:
     """Write `figures` with the machine and the command line as benchmarks/results/NAME.json."""
     out = args.out or RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {
         "benchmark": name,
-        "command": f"python benchmarks/{name}.py" + (" --quick" if args.quick else ""),
+        "command": _command(name, args),
         "quick": bool(args.quick),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
