@@ -58,11 +58,11 @@ def one(label: str, overrides: list[str], seq: int, batch: int, recompute: str =
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     from orchestrator.config import load_config
+    from orchestrator.control.preflight import measure_model
     from orchestrator.planning import plan_job
     from orchestrator.planning.activations import activation_profile
     from orchestrator.planning.memory import byte_layout
     from orchestrator.planning.model_math import ModelShape
-    from orchestrator.runtime.driver import measure_model
     from orchestrator.runtime.trainer import Trainer
     from orchestrator.topology.model import ClusterTopology, cpu_node
     from orchestrator.workloads.models import apply_recompute, build_model

@@ -55,8 +55,8 @@ def cases(world: int) -> list[tuple[str, list[str]]]:
 def plans(world: int, model: list[str]) -> list[dict[str, Any]]:
     """The planner's plan for each case on `world` CPU slots (pure Python, no processes)."""
     from orchestrator.config import load_config
+    from orchestrator.control.preflight import measure_model
     from orchestrator.planning import plan_job
-    from orchestrator.runtime.driver import measure_model
     from orchestrator.topology.model import ClusterTopology, cpu_node
 
     topo = ClusterTopology(nodes=[cpu_node(world)])

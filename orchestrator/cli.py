@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:
-        from .signals import exit_code
+        from .control.signals import exit_code
 
         # Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), as shells report them.
         code = exit_code(e)

@@ -345,7 +345,7 @@ def validate(cfg: JobConfig) -> None:
     for key in ("path", "val_path"):
         if getattr(cfg.data, key) is not None and not Path(getattr(cfg.data, key)).is_file():
             raise ConfigError(f"key 'data.{key}': no such file {getattr(cfg.data, key)}")
-    from .tokenfiles import check_data  # numpy: loaded only when a job is checked
+    from .data.tokenfiles import check_data  # numpy: loaded only when a job is checked
 
     check_data(cfg.data.path, cfg.data.val_path, m.vocab_size, m.block_size)
     _positive(t.max_steps, "train.max_steps")

@@ -14,9 +14,9 @@ import torch
 
 from orchestrator.cli import main
 from orchestrator.config import load_config
+from orchestrator.data.stream import TextData, builtin_text, open_data
+from orchestrator.data.tokenfiles import DataError, open_tokens
 from orchestrator.errors import UserError
-from orchestrator.tokenfiles import DataError, open_tokens
-from orchestrator.workloads.data import TextData, builtin_text, open_data
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "jobs" / "llm.yaml")
@@ -77,11 +77,11 @@ def test_prepare_with_a_tokenizer_writes_each_document_then_eos(texts, tmp_path,
 def test_a_text_file_streamed_in_pieces_tokenizes_as_the_whole_text(texts, tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 
-    import orchestrator.corpus
+    import orchestrator.data.corpus
 
     d, _, tok_file = texts
     text = (d / "all.txt").read_text()
-    monkeypatch.setattr(orchestrator.corpus, "CHUNK_BYTES", 500)  # hundreds of pieces, cut between words
+    monkeypatch.setattr(orchestrator.data.corpus, "CHUNK_BYTES", 500)  # hundreds of pieces, cut between words
     out = tmp_path / "t.npy"
     assert main(["prepare", str(d / "all.txt"), "--out", str(out), "--tokenizer", str(tok_file)]) == 0
     tok = Tokenizer.from_file(str(tok_file))
@@ -249,7 +249,7 @@ def test_bad_prepare_input_is_one_line_and_leaves_nothing(texts, tmp_path, capsy
 def test_exported_gpt_is_gpt2_to_transformers(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from orchestrator.export import export_model, load_exported
+    from orchestrator.control.export import export_model, load_exported
     from orchestrator.workloads.gpt import GPT, GPTConfig
 
     for bias in (True, False):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from orchestrator.commands import node_labels as cmd
-from orchestrator.commands.node_labels import PREFIX, format_labels, label_value, node_labels
+from orchestrator.control.labels import PREFIX, format_labels, label_value, node_labels
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Device, NodeTopology, cpu_node
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from orchestrator.config import load_config
+from orchestrator.control.elastic import plan_keeping_batch
+from orchestrator.data.stream import TextData, load_tokens
 from orchestrator.errors import PlanError
 from orchestrator.planning.cluster_view import plannable
 from orchestrator.planning.describe import describe_cluster
-from orchestrator.runtime.elastic import plan_keeping_batch
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology, Network, cpu_node
-from orchestrator.workloads.data import TextData, load_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = ROOT / "tests" / "fixtures" / "topology" / "topo_4gpu_pcie_pxb_pix_nccl667.txt"

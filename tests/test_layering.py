@@ -1,5 +1,6 @@
-"""The planner stays pure Python: planning a job imports neither torch nor Ray (fast, and usable
-on a laptop that has neither a GPU nor a cluster)."""
+"""The package's architecture, checked: the planner stays pure Python (planning a job imports
+neither torch nor Ray, so it is fast and usable on a laptop with neither a GPU nor a cluster),
+no import cycles, and every import points down the layers."""
 
 from __future__ import annotations
 
@@ -146,6 +147,74 @@ def test_no_module_takes_part_in_an_import_cycle():
     assert len(graph) > 30 and graph["orchestrator.planning.plan"]  # the walk found the package
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(_a_cycle(graph, c)) for c in cycles)
+
+
+# The package's layers, lowest first. A module may import its own unit and any unit of a lower
+# layer, never one of its own layer's other units or a higher layer's: the driver side (control)
+# reaches down into what runs in a worker (runtime), never the reverse; the planner sees the
+# topology model and the config, nothing that runs; the CLI commands sit on top of it all.
+LAYERS: list[tuple[str, ...]] = [
+    ("orchestrator.errors", "orchestrator.choices"),
+    ("orchestrator.data",),
+    ("orchestrator.config",),
+    ("orchestrator.topology", "orchestrator.testbed"),
+    ("orchestrator.planning",),
+    ("orchestrator.workloads",),
+    ("orchestrator.runtime", "orchestrator.connect"),
+    ("orchestrator.control",),
+    ("orchestrator.commands",),
+    ("orchestrator.cli", "orchestrator"),
+    ("orchestrator.__main__",),
+]
+
+
+def _unit(module: str) -> str:
+    """The layered unit a module belongs to: its top package under orchestrator, or the
+    top-level module itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _rank(unit: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if unit in layer:
+            return i
+    raise AssertionError(f"{unit} is in no layer of tests/test_layering.py: give it one")
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every import of a unit that is not below the importer's own."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        here = _unit(name)
+        for t in sorted(targets):
+            there = _unit(t)
+            if there != here and _rank(there) >= _rank(here):
+                found.append(f"{name} -> {t} ({here} is layer {_rank(here)}, {there} layer {_rank(there)})")
+    return found
+
+
+def test_the_layer_check_finds_upward_and_sideways_imports():
+    graph = {"orchestrator.runtime.worker": {"orchestrator.control.driver", "orchestrator.planning.plan"},
+             "orchestrator.runtime.trainer": {"orchestrator.connect.remote", "orchestrator.runtime.worker"},
+             "orchestrator.control.driver": {"orchestrator.runtime.worker"}}
+    found = _upward(graph)
+    assert [f.split(" (")[0] for f in found] == ["orchestrator.runtime.trainer -> orchestrator.connect.remote",
+                                                 "orchestrator.runtime.worker -> orchestrator.control.driver"]
+
+
+def test_every_unit_of_the_package_has_a_layer():
+    units = {_unit(m) for m in _modules()}
+    assert {"orchestrator.control", "orchestrator.runtime", "orchestrator.data", "orchestrator.connect"} <= units
+    for u in units:
+        _rank(u)
+
+
+def test_no_module_imports_up_or_across_a_layer():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    found = _upward(graph)
+    assert not found, "imports that reach up or across a layer:\n" + "\n".join(found)
 
 
 # What would make a plan depend on the machine that computes it rather than on the topology.

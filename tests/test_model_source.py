@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import orchestrator.remote as remote
+import orchestrator.connect.remote as remote
 from orchestrator.config import ModelConfig, load_config
-from orchestrator.model_source import model_modules
+from orchestrator.workloads.source import model_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 

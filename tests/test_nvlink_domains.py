@@ -69,8 +69,8 @@ def test_nodes_without_a_shared_clique_keep_tp_inside_each_node(tmp_path):
 
 
 def test_placement_selects_on_the_domain_label_its_nodes_advertise(tmp_path):
-    from orchestrator.commands.node_labels import NVLINK_DOMAIN_LABEL, node_labels
-    from orchestrator.placement import NODE_ID_LABEL, _bundles
+    from orchestrator.control.labels import NVLINK_DOMAIN_LABEL, node_labels
+    from orchestrator.control.placement import NODE_ID_LABEL, _bundles
 
     topo = _cluster(tmp_path)
     plan = plan_job(load_config(None, [*MODEL, "parallel.tp=8"]), topo)
@@ -96,8 +96,8 @@ def test_live_domain_spans_two_labelled_nodes_behind_a_gpu_less_head(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.commands.node_labels import node_labels
-    from orchestrator.placement import place
+    from orchestrator.control.labels import node_labels
+    from orchestrator.control.placement import place
     from orchestrator.topology.cluster_probe import probe_cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})

@@ -16,12 +16,12 @@ import torch
 from rich.console import Console
 
 from orchestrator.cli import main
-from orchestrator.cluster import connect
 from orchestrator.config import load_config
-from orchestrator.rundir import RunDir
+from orchestrator.connect.cluster import connect
+from orchestrator.control.driver import run_job
+from orchestrator.control.rundir import RunDir
+from orchestrator.data.stream import builtin_text
 from orchestrator.runtime import checkpoint
-from orchestrator.runtime.driver import run_job
-from orchestrator.workloads.data import builtin_text
 from orchestrator.workloads.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def _weights(ckpt: str, cfg: GPTConfig) -> GPT:
 def test_prepare_submit_export_round_trip_loads_in_transformers(trained, corpus, tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from orchestrator.export import load_exported
+    from orchestrator.control.export import load_exported
 
     summary = json.loads((trained / "summary.json").read_text())
     assert summary["steps"] == 6

@@ -113,8 +113,8 @@ class _NoEnds(torch.nn.Module):
 
 def test_a_forced_pipeline_of_a_model_without_ends_is_refused_before_any_worker() -> None:
     from orchestrator.config import load_config
+    from orchestrator.control.preflight import measure_model
     from orchestrator.errors import ConfigError
-    from orchestrator.runtime.driver import measure_model
 
     cfg = load_config(None, ["parallel.pp=2", "model.block_size=8"])
     with pytest.raises(ConfigError, match=r"^key 'parallel.pp': parallel.pp > 1 needs a model whose forward"):

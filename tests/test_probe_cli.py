@@ -130,7 +130,7 @@ def test_module_entry_point_prints_no_traceback(tmp_path):
 def test_without_from_probes_the_cluster_it_connects_to(capsys, monkeypatch):
     import contextlib
 
-    import orchestrator.cluster
+    import orchestrator.connect.cluster
     import orchestrator.topology.cluster_probe as cp
     from orchestrator.topology.model import ClusterTopology, cpu_node
 
@@ -146,7 +146,7 @@ def test_without_from_probes_the_cluster_it_connects_to(capsys, monkeypatch):
         calls.append(("probe", measure))
         return ClusterTopology(nodes=[cpu_node(2, hostname="a", node_id="n1"), cpu_node(3, hostname="a", node_id="n2")])
 
-    monkeypatch.setattr(orchestrator.cluster, "connect", fake_connect)
+    monkeypatch.setattr(orchestrator.connect.cluster, "connect", fake_connect)
     monkeypatch.setattr(cp, "probe_cluster", fake_probe)
     code, out, _ = _probe(capsys, "--address", "auto", "--measure", "--json")
     assert code == 0

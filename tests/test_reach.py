@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.reach import ClusterUnreachable, resolve_auto
+from orchestrator.connect.reach import ClusterUnreachable, resolve_auto
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "jobs" / "llm.yaml")

@@ -18,8 +18,9 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 
 from orchestrator.config import load_config
-from orchestrator.rundir import RunDir
-from orchestrator.runtime.driver import latest_whole_checkpoint, run_job
+from orchestrator.control.driver import run_job
+from orchestrator.control.rundir import RunDir
+from orchestrator.control.verify import latest_whole_checkpoint
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology
 

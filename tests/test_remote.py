@@ -231,7 +231,7 @@ METRICS_JOB = textwrap.dedent(
 
 
 def test_unreachable_address_is_one_line_user_error():
-    from orchestrator.remote import RemoteError, job_status
+    from orchestrator.connect.remote import RemoteError, job_status
 
     with pytest.raises(RemoteError, match=r"^cannot reach a Ray dashboard at http://127\.0\.0\.1:\d+") as e:
         job_status(f"127.0.0.1:{_free_ports(1)[0]}")
@@ -239,7 +239,7 @@ def test_unreachable_address_is_one_line_user_error():
 
 
 def test_wrong_or_missing_token_is_refused_with_advice(cluster, monkeypatch):
-    from orchestrator.remote import RemoteError, job_status
+    from orchestrator.connect.remote import RemoteError, job_status
 
     home = Path(tempfile.mkdtemp(prefix="orx-home-"))
     try:
@@ -281,7 +281,7 @@ def test_submit_with_a_wrong_token_is_one_line_within_seconds(cluster):
 
 
 def test_metrics_exported_with_tags_then_stop_ends_job(authed):
-    from orchestrator.remote import client, job_logs, job_status, stop_job
+    from orchestrator.connect.remote import client, job_logs, job_status, stop_job
 
     c = authed
     worker_node = next(n for n, port in c.node_ids().items() if port == c.nodes[1].metrics_port)
@@ -315,7 +315,7 @@ def test_metrics_exported_with_tags_then_stop_ends_job(authed):
 
 
 def test_status_and_logs_of_unknown_job(authed):
-    from orchestrator.remote import RemoteError, job_logs, job_status, stop_job
+    from orchestrator.connect.remote import RemoteError, job_logs, job_status, stop_job
 
     for call in (lambda: job_status(authed.dashboard, "nosuchjob"),
                  lambda: list(job_logs(authed.dashboard, "nosuchjob", follow=True)),
@@ -326,7 +326,7 @@ def test_status_and_logs_of_unknown_job(authed):
 
 def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     """The whole path: ship the project, run `submit` on the head, train on 2 nodes, follow to the end."""
-    from orchestrator.remote import job_logs, job_status, run_directory, submit_remote
+    from orchestrator.connect.remote import job_logs, job_status, run_directory, submit_remote
 
     c = authed
     monkeypatch.chdir(ROOT)
@@ -386,7 +386,7 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
 
 
 def test_entrypoint_joins_the_cluster_it_runs_on():
-    from orchestrator.remote import entrypoint
+    from orchestrator.connect.remote import entrypoint
 
     cmd = entrypoint("jobs/my job.yaml", ["train.max_steps=10", "cluster.address=10.0.0.1:6379", "name=x"])
     assert shlex.split(cmd) == ["python", "-m", "orchestrator", "submit", "jobs/my job.yaml",
@@ -394,7 +394,7 @@ def test_entrypoint_joins_the_cluster_it_runs_on():
 
 
 def test_shipped_dir_and_job_file_outside_it(tmp_path, monkeypatch):
-    from orchestrator.remote import RemoteError, project_root, shipped_dir, submit_remote
+    from orchestrator.connect.remote import RemoteError, project_root, shipped_dir, submit_remote
 
     assert project_root() == ROOT
     assert shipped_dir(ROOT / "jobs") == ROOT  # anywhere inside the checkout ships the checkout
@@ -408,7 +408,7 @@ def test_shipped_dir_and_job_file_outside_it(tmp_path, monkeypatch):
 
 
 def test_default_address_and_bad_addresses(monkeypatch):
-    from orchestrator.remote import RemoteError, default_address, job_status
+    from orchestrator.connect.remote import RemoteError, default_address, job_status
 
     monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
     assert default_address() == "http://head:8265"

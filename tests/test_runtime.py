@@ -17,12 +17,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from orchestrator.cluster import connect
 from orchestrator.config import load_config
+from orchestrator.connect.cluster import connect
+from orchestrator.control.driver import run_job
+from orchestrator.control.rundir import RunDir
 from orchestrator.errors import CheckpointError
-from orchestrator.rundir import RunDir
 from orchestrator.runtime import checkpoint
-from orchestrator.runtime.driver import run_job
 from orchestrator.workloads.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.runtime.straggler import StragglerTracker, describe
-from orchestrator.runtime.supervise import hang_timeout_s
+from orchestrator.control.straggler import StragglerTracker, describe
+from orchestrator.control.supervise import hang_timeout_s
 
 
 def test_the_rank_whose_own_work_is_over_1_3x_the_median_is_named_with_its_node():

@@ -1,5 +1,5 @@
 """`export RUN_DIR --out DIR`: a run's final weights, gathered from its DCP shards, as safetensors
-in the layout `transformers.GPT2LMHeadModel.from_pretrained(DIR)` loads (see orchestrator/export.py)."""
+in the layout `transformers.GPT2LMHeadModel.from_pretrained(DIR)` loads (see orchestrator/control/export.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..export import export_run
+    from ..control.export import export_run
 
     console = Console(stderr=True)
     with console.status(f"gathering the weights of {args.run_dir}"):
         out = export_run(args.run_dir, args.out, args.checkpoint)
     print(f"exported to {out}: load it with transformers.GPT2LMHeadModel.from_pretrained({str(out)!r}) "
-          f"or orchestrator.export.load_exported({str(out)!r})")
+          f"or orchestrator.control.export.load_exported({str(out)!r})")
     return 0

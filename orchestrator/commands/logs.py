@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..remote import default_address, job_logs, job_status
+from ..connect.remote import default_address, job_logs, job_status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -57,7 +57,7 @@ def described_topology(cfg: JobConfig, path: str | list[str], nodes: int, job: s
 
 
 def live_topology(cfg: JobConfig) -> ClusterTopology:
-    from ..cluster import connect
+    from ..connect.cluster import connect
     from ..topology.cluster_probe import probe_cluster
 
     with connect(cfg.cluster.address):
@@ -65,9 +65,9 @@ def live_topology(cfg: JobConfig) -> ClusterTopology:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..model_source import is_builtin_gpt
     from ..planning import plan_job
     from ..planning.render import render_svg, render_text
+    from ..workloads.source import is_builtin_gpt
 
     overrides = list(args.overrides)
     if args.job and "=" in args.job and not Path(args.job).exists():

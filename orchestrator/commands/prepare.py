@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from ..corpus import ByteTokenizer, HFTokenizer, input_files, prepare
+    from ..data.corpus import ByteTokenizer, HFTokenizer, input_files, prepare
     from ..errors import UserError
 
     source, out = Path(args.input), Path(args.out)

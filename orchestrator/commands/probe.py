@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.nvlink_status or args.gpu_name:
             raise TopologyError("--nvlink-status and --gpu refine a --from capture; a live probe reads NVML")
-        from ..cluster import connect
+        from ..connect.cluster import connect
         from ..topology.cluster_probe import probe_cluster
 
         with connect(args.address, name="--address"):

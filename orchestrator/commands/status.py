@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..remote import RemoteJob, default_address, job_status, run_directory
+from ..connect.remote import RemoteJob, default_address, job_status, run_directory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..remote import TERMINAL, default_address, stop_job
+from ..connect.remote import TERMINAL, default_address, stop_job
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,8 +31,8 @@ def resume_checkpoint(run_dir: str) -> str:
 
     from rich.console import Console
 
+    from ..control.verify import latest_whole_checkpoint
     from ..errors import CheckpointError
-    from ..runtime.driver import latest_whole_checkpoint
 
     root = Path(run_dir)
     if not root.is_dir():
@@ -46,7 +46,7 @@ def resume_checkpoint(run_dir: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.address:
-        from ..remote import submit_remote
+        from ..connect.remote import submit_remote
 
         if args.resume:
             from ..errors import ConfigError
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from ..config import load_config
-    from ..signals import stop_on_sigterm
+    from ..control.signals import stop_on_sigterm
 
     stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
@@ -76,12 +76,13 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     `job` names the job file in the hint a stopped run prints; `verbose` shows every worker line."""
     from rich.console import Console
 
-    from ..cluster import connect
-    from ..model_source import inside_ray_job, model_modules
-    from ..rundir import RUN_DIR_LINE, RunDir, anchored
-    from ..runtime.driver import measure_model
-    from ..runtime.worker_logs import WorkerLogs
-    from ..signals import stop_on_sigterm
+    from ..connect.cluster import connect
+    from ..connect.remote import RUN_DIR_LINE
+    from ..control.preflight import measure_model
+    from ..control.rundir import RunDir, anchored
+    from ..control.signals import stop_on_sigterm
+    from ..control.worker_logs import WorkerLogs
+    from ..workloads.source import inside_ray_job, model_modules
 
     cfg.monitor.runs_dir = anchored(cfg.monitor.runs_dir)
     cfg.checkpoint.path = anchored(cfg.checkpoint.path)
@@ -99,7 +100,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
     if cfg.checkpoint.export:
-        from ..export import require_safetensors
+        from ..control.export import require_safetensors
 
         require_safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
@@ -117,7 +118,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
         with WorkerLogs(run_dir, console, verbose=verbose):
             summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec)
     if cfg.checkpoint.export:
-        from ..export import export_run
+        from ..control.export import export_run
 
         with console.status("exporting the final weights"):
             out = export_run(run_dir.path, run_dir.path / "export")
@@ -131,9 +132,9 @@ def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: st
     driver has released its actors and placement group by then)."""
     import time
 
-    from ..runtime.driver import run_job
-    from ..runtime.stopped import stopped_summary
-    from ..signals import signal_name
+    from ..control.driver import run_job
+    from ..control.signals import signal_name
+    from ..control.stopped import stopped_summary
 
     t0 = time.monotonic()
     try:

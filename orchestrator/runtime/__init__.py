@@ -1,1 +1,1 @@
-"""Driver, worker actor, trainer, strategies, checkpoints: everything that runs the job."""
+"""What runs inside each worker: the actor, process group, parallelism (DDP, FSDP2, TP, pipelines), the training loop, checkpoints, NCCL settings and metrics."""

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from ..choices import Precision
 from ..config import JobConfig
+from ..data.stream import open_data
 from ..planning import Plan
 from ..planning.resolve import on_device
-from ..workloads.data import open_data
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize

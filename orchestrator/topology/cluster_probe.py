@@ -36,7 +36,7 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopol
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not ray.is_initialized():
-        raise RuntimeError("probe_cluster needs a connected Ray cluster (orchestrator.cluster.connect)")
+        raise RuntimeError("probe_cluster needs a connected Ray cluster (orchestrator.connect.cluster.connect)")
     alive = [n for n in ray.nodes() if n.get("Alive")]
     if not alive:
         raise TopologyError("the Ray cluster has no alive node to probe")

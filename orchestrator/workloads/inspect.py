@@ -18,7 +18,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from ..model_source import is_builtin_gpt  # noqa: F401 - re-exported for the driver
 from ..planning.model_math import RECOMPUTE_MODES
 from ..planning.model_spec import ModelSpec
 from .models import (
@@ -32,6 +31,7 @@ from .models import (
     pipeline_ends,
     tp_plan,
 )
+from .source import is_builtin_gpt  # noqa: F401 - re-exported for the driver
 
 
 def distinct_params(module: nn.Module) -> int:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from rich.console import Console
+from rich.markup import escape
 
 from ..errors import CheckpointError
-from . import checkpoint
+from ..runtime import checkpoint
 
 
 @ray.remote(num_cpus=0)
@@ -40,3 +42,16 @@ def verify_parallel(path: str) -> dict:
     if bad:
         raise CheckpointError(bad[0])
     return meta
+
+
+def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | None:
+    """The newest checkpoint under `root` that verifies (hashed in parallel across the nodes),
+    with its step; damaged ones are named and skipped."""
+    for path in reversed(checkpoint.committed(root)):
+        try:
+            meta = verify_parallel(path)
+        except CheckpointError as e:
+            console.print(f"[yellow]warning:[/] {escape(str(e))}; trying the previous checkpoint")
+            continue
+        return path, int(meta["step"])
+    return None

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..config import JobConfig
-from ..rundir import RunDir
+from .rundir import RunDir
 
 
 def _rows(run: RunDir) -> list[dict[str, Any]]:
@@ -30,7 +30,7 @@ def _rows(run: RunDir) -> list[dict[str, Any]]:
 def stopped_summary(cfg: JobConfig, run: RunDir, signal_name: str, wall_s: float,
                     resumed_from: str | None = None) -> dict[str, Any]:
     """The outcome of a stopped run: how far it got and which whole checkpoints it left."""
-    from . import checkpoint
+    from ..runtime import checkpoint
 
     rows = _rows(run)
     vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]

@@ -18,8 +18,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from .errors import PlacementError
-from .planning import Plan
+from ..errors import PlacementError
+from ..planning import Plan
 
 NODE_ID_LABEL = "ray.io/node-id"
 
@@ -56,7 +56,7 @@ def domain_selectors(plan: Plan, labels: dict[str, dict[str, str]]) -> list[dict
     """Per rank, the `orchestrator.io/nvlink-domain` selector that keeps it in its planned
     multi-node NVLink domain, where its node advertises that label (`node-labels`); a node
     advertising another domain than the probe found stops placement before anything is held."""
-    from .commands.node_labels import NVLINK_DOMAIN_LABEL, domain_label
+    from .labels import NVLINK_DOMAIN_LABEL, domain_label
 
     out = []
     for r in plan.ranks:
@@ -121,7 +121,7 @@ def place(
     pin_nodes: bool = True,
 ) -> Placement:
     """Reserve the plan's devices and start one worker actor per rank, in rank order."""
-    from .runtime.worker import Worker
+    from ..runtime.worker import Worker
 
     labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
     bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes, labels)
@@ -197,3 +197,18 @@ def check_layout(plan: Plan, reports: list[dict[str, Any]], use_gpu: bool) -> No
                 f"device {want.gpu}; the layout does not match the plan"
             )
 
+
+
+def cpu_affinity(plan: Plan, topology) -> list[str | None]:
+    """Each rank's CPU list near its device, as the probe found it (None when unknown)."""
+    by_node = {n.node_id: {d.index: d.cpu_affinity for d in n.devices} for n in topology.nodes}
+    return [by_node.get(r.node, {}).get(r.gpu) for r in plan.ranks]
+
+
+def nccl_settings(plan: Plan, topology) -> list:
+    """Each rank's NCCL settings, decided per node from its probed topology (`nccl_env`)."""
+    from ..runtime.nccl_env import nccl_setup
+
+    multi = len(set(plan.node_of_rank)) > 1
+    by_node = {n.node_id: nccl_setup(n, multi) for n in topology.nodes if n.node_id in set(plan.node_of_rank)}
+    return [by_node.get(r.node) for r in plan.ranks]

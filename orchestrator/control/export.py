@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
-from .workloads.gpt import GPT, GPTConfig
+from ..errors import UserError
+from ..workloads.gpt import GPT, GPTConfig
 
 FORMAT = "orchestrator-gpt/1"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which the built-in GPT uses
@@ -191,8 +191,8 @@ def run_config(run_dir: Path) -> tuple[GPTConfig, dict[str, Any], str]:
 
 def latest_checkpoint(root: str) -> str:
     """The newest checkpoint under `root` that verifies (size and SHA-256 of every file)."""
-    from .errors import CheckpointError
-    from .runtime import checkpoint
+    from ..errors import CheckpointError
+    from ..runtime import checkpoint
 
     for path in reversed(checkpoint.committed(root)):
         try:
@@ -205,8 +205,8 @@ def latest_checkpoint(root: str) -> str:
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_path: str | None = None) -> Path:
     """Gather a run's final (or the given) checkpoint into one model and export it."""
-    from .runtime import checkpoint
-    from .tokenfiles import read_meta
+    from ..data.tokenfiles import read_meta
+    from ..runtime import checkpoint
 
     run_dir = Path(run_dir)
     require_safetensors()  # fail before any work when the package is missing

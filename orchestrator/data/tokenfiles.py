@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 
 META_SUFFIX = ".meta.json"
 META_FORMAT = "orchestrator-tokens/1"

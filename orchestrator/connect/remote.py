@@ -22,13 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import UserError
+from ..errors import UserError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 # Never shipped: run outputs, the virtual environment, git history, byte code.
 EXCLUDES = ["runs/", ".venv/", ".git/", "__pycache__/", "*.pyc", ".pytest_cache/", ".hypothesis/"]
 PROJECT_MARKERS = ("pyproject.toml", "orchestrator/__main__.py")
+REMOTE_RUN_ENV = "ORCHESTRATOR_REMOTE_RUN"
+"""Set in the environment of a driver that `submit --address` started through the Jobs API."""
+RUN_DIR_LINE = "run directory: "
+"""How the driver announces its run directory; `status` finds it in the job's log by this."""
 
 
 class RemoteError(UserError):
@@ -147,7 +151,7 @@ def client(address: str) -> Any:
 
 def project_root() -> Path | None:
     """This checkout's root (the parent of the package) when it is a source tree, else None."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     return root if all((root / m).is_file() for m in PROJECT_MARKERS) else None
 
 
@@ -177,8 +181,7 @@ def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bo
     than on the cluster after the upload. On the head, relative `monitor.runs_dir` and
     `checkpoint.path` are taken from the home directory (`rundir.anchored`).
     """
-    from .config import load_config
-    from .rundir import REMOTE_RUN_ENV
+    from ..config import load_config
 
     cfg = load_config(job_file, overrides)
     workdir = shipped_dir()
@@ -189,7 +192,7 @@ def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bo
             f"put it inside, or run submit from a directory that contains it"
         )
     job_rel = job_path.relative_to(workdir).as_posix()
-    from .model_source import model_modules
+    from ..workloads.source import model_modules
 
     # The model's module, when it lives outside the shipped directory (e.g. on PYTHONPATH).
     modules = [p for p in model_modules(cfg.model) if Path(p) != workdir and workdir not in Path(p).parents]
@@ -211,7 +214,6 @@ def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bo
 def run_directory(address: str, job_id: str) -> str | None:
     """Where the job's driver put its run directory (on the node it runs on), from its log;
     None before the driver has said."""
-    from .rundir import RUN_DIR_LINE
 
     text = "".join(job_logs(address, job_id))
     found = [line.split(RUN_DIR_LINE, 1)[1].split("  (")[0].strip()

@@ -5,7 +5,7 @@ The planner already searches micro-batch x accumulation x mesh for the world it 
 it cannot do is change the world. When the survivors of a failure admit no data-parallel size
 that divides the global batch (or no longer have equal devices per node), the driver plans for
 the largest uniform sub-world that does: whole nodes first, then fewer devices per node. The data
-order is a function of the step and the global batch alone (`workloads/data.py`), so a smaller
+order is a function of the step and the global batch alone (`data/stream.py`), so a smaller
 data-parallel size sees the same sequences per step, only split differently.
 """
 
@@ -76,3 +76,32 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
             return plan, sub, note
     raise PlanError(f"{first}; and no sub-world of at least elastic.min_workers={min_w} devices keeps "
                     f"train.global_batch_size={cfg.train.global_batch_size}")
+
+
+def uses_gpus(topology: ClusterTopology) -> bool:
+    """Whether the plan's ranks run on GPUs: every planned device is one and Ray has GPUs."""
+    import ray
+
+    kinds = {d.kind for n in topology.nodes for d in n.devices}
+    return kinds == {"gpu"} and ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def limit_world(cfg: JobConfig, topology: ClusterTopology) -> ClusterTopology:
+    """The part of the cluster this job may use: at most elastic.max_workers devices (whole
+    nodes first, then the lowest device indices of the next node), at least min_workers."""
+    devices = topology.num_devices
+    if devices < cfg.elastic.min_workers:
+        raise PlanError(
+            f"the cluster has {devices} devices, fewer than elastic.min_workers={cfg.elastic.min_workers}"
+        )
+    if not cfg.elastic.max_workers or devices <= cfg.elastic.max_workers:
+        return topology
+    return topology.limit(cfg.elastic.max_workers)
+
+
+def devices_now(cfg: JobConfig) -> int:
+    """GPUs on the cluster's alive nodes now, up to elastic.max_workers."""
+    import ray
+
+    gpus = int(sum(n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("Alive")))
+    return min(gpus, cfg.elastic.max_workers) if cfg.elastic.max_workers else gpus

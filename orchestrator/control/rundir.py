@@ -20,10 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REMOTE_RUN_ENV = "ORCHESTRATOR_REMOTE_RUN"
-"""Set in the environment of a driver that `submit --address` started through the Jobs API."""
-RUN_DIR_LINE = "run directory: "
-"""How the driver announces its run directory; `status` finds it in the job's log by this."""
+from ..connect.remote import REMOTE_RUN_ENV
 
 
 def anchored(path: str | None) -> str | None:

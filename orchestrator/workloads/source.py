@@ -14,11 +14,11 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from .config import GPT_FACTORY, ModelConfig
+from ..config import GPT_FACTORY, ModelConfig
 
 _INSTALLED = {Path(p).resolve() for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                           sysconfig.get_paths()["stdlib"])}
-_PROJECT = Path(__file__).resolve().parent
+_PROJECT = Path(__file__).resolve().parents[1]  # the orchestrator package
 
 
 def model_modules(m: ModelConfig, model_fn: object | None = None) -> list[str]:

@@ -5,7 +5,7 @@ rank r of W takes the r-th contiguous slice of them. So any world size sees the 
 batch at every step (what makes DDP-vs-single-process parity exact), and resuming at step s
 needs nothing but s: the data position is the step counter.
 
-The tokens are a memory-mapped file (`orchestrator.tokenfiles`: nanoGPT's uint16 `.bin`, an
+The tokens are a memory-mapped file (`orchestrator.data.tokenfiles`: nanoGPT's uint16 `.bin`, an
 integer `.npy`, or a text file's UTF-8 bytes), so a rank reads only the pages its own samples
 touch, whatever the size of the corpus.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tokenfiles import DataError, open_tokens, release
+from .tokenfiles import DataError, open_tokens, release
 
 
 def builtin_text() -> str:

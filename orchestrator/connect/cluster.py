@@ -7,7 +7,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
-from .errors import UserError
+from ..errors import UserError
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UserError
+from ..errors import UserError
 from .tokenfiles import BYTE_VOCAB, META_FORMAT, DataError, dtype_for_vocab, meta_path
 
 CHUNK_BYTES = 4 << 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 
-from .errors import UserError
+from ..errors import UserError
 
 TIMEOUT_S = 3.0
 """How long each probe waits for an answer (the whole check stays well under 15 s)."""

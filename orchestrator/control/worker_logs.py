@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.markup import escape
 
-from ..rundir import RunDir
+from .rundir import RunDir
 
 _RAY_HANDLER = "ray_print_logs"
 _OUR_HANDLER = "orchestrator_worker_logs"

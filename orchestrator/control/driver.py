@@ -1,0 +1,218 @@
+"""The driver of one job: probe, plan, place, run, record.
+
+It runs wherever `submit` runs (the user's shell, or a Ray job on the head node), holds no
+training state itself, and writes everything to the run directory as it goes. `run_job` is
+the whole story: attempts until one finishes, each attempt the same named steps
+(`_probe`, `_plan`, `_place`, `_start`, `follow`), a failure or a regrow answered by resuming
+from the newest whole checkpoint, and the record of the run at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from rich.console import Console
+from rich.markup import escape
+
+from ..config import JobConfig, to_yaml
+from ..errors import PlanError, RunFailed
+from ..planning import Plan, plan_job
+from ..planning.cluster_view import plannable
+from ..planning.model_spec import ModelSpec
+from ..runtime.metrics import record_restart
+from ..topology.model import ClusterTopology
+from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
+from .failures import Regrow, WorkerFailure, raise_failure
+from .follow import RunState, follow
+from .placement import Placement, cpu_affinity, nccl_settings, place
+from .preflight import measure_model
+from .rundir import RunDir
+from .summary import notes, print_summary, summarize, write_loss_curve
+from .verify import latest_whole_checkpoint
+
+
+def run_job(
+    cfg: JobConfig,
+    run: RunDir,
+    console: Console,
+    dashboard_url: str | None = None,
+    resume_from: str | None = None,
+    model_fn: Callable[..., Any] | None = None,
+    spec: ModelSpec | None = None,
+) -> dict[str, Any]:
+    """Run the job on the connected Ray cluster, restarting after failures up to
+    `train.max_failures` times; returns the summary written to summary.json. `model_fn` builds
+    the model instead of `model.factory` (the Python API); `spec` is its measurement
+    (`measure_model`), made here when not given."""
+    t_start = time.monotonic()
+    state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn))
+    run.write_text("config.yaml", to_yaml(cfg))
+    if dashboard_url:
+        console.print(f"Ray dashboard: http://{dashboard_url}")
+    ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
+    resume = resume_from
+    while True:
+        try:
+            plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume)
+            break
+        except PlanError:
+            if state.restarts:  # the world shrank below what the job can run on: the summary says so too
+                run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+            raise
+        except Regrow as g:
+            resume = _after_regrow(g, console, state, ckpt_dir, run)
+        except WorkerFailure as f:
+            resume = _after_failure(f, cfg, console, state, ckpt_dir, run, resume_from)
+
+    summary = summarize(cfg, plan, state, setups, finals, time.monotonic() - t_start, reports)
+    if resume_from:
+        summary["resumed_from"] = resume_from
+    run.write_json("summary.json", summary)
+    write_loss_curve(run, cfg, plan, state)
+    print_summary(console, summary, run)
+    return summary
+
+
+def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str, resume: str | None):
+    """One probe -> plan -> place -> train pass; raises WorkerFailure when a rank dies."""
+    topology = _probe(cfg, run, console)
+    # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
+    view, left_out = plannable(topology)
+    use_gpu = uses_gpus(view)
+    view = limit_world(cfg, view)
+    devices_at_plan = view.num_devices
+    plan = _plan(cfg, view, run, console, left_out, state.spec, use_gpu)
+    placement = _place(cfg, plan, console, use_gpu)
+    try:
+        run.write_json("placement.json", placement.reports)
+        setups = _start(cfg, plan, topology, run, console, placement, state, resume, use_gpu)
+        grow = (lambda: devices_now(cfg)) if use_gpu else None
+        finals = follow(cfg, run, console, placement, plan, state, setups[0]["start_step"], ckpt_dir,
+                        devices_at_plan, grow)
+        ray.get([a.shutdown.remote() for a in placement.actors])
+    finally:
+        placement.release()
+    return plan, setups, finals, placement.reports
+
+
+def _probe(cfg: JobConfig, run: RunDir, console: Console) -> ClusterTopology:
+    """Every node's interconnect, written to topology.json; the warnings a user must act on
+    (NICs a node declares but lacks) are repeated on the console."""
+    from ..topology.cluster_probe import probe_cluster
+    from ..topology.local import MISSING_NIC_WARNING
+
+    with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
+        topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
+    run.write_text("topology.json", topology.to_json())
+    for warning in dict.fromkeys(w for n in topology.nodes for w in n.warnings if MISSING_NIC_WARNING in w):
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+    return topology
+
+
+def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, left_out, spec: ModelSpec | None,
+          use_gpu: bool) -> Plan:
+    """The plan that keeps the global batch on the part of `view` it uses (`elastic`), written
+    to plan.json, even when refused: it then says why."""
+    try:
+        plan, _, note = plan_keeping_batch(cfg, view, spec, left_out)
+    except PlanError:
+        try:
+            run.write_json("plan.json", plan_job(cfg, view, spec, left_out=left_out).to_dict())
+        except PlanError:
+            pass
+        raise
+    if note:
+        plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
+    run.write_json("plan.json", plan.to_dict())
+    for x in plan.left_out:
+        console.print(f"left out: {escape(str(x))}")
+    if note:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    console.print(
+        f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
+        f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
+    )
+    return plan
+
+
+def _place(cfg: JobConfig, plan: Plan, console: Console, use_gpu: bool) -> Placement:
+    """One worker actor per rank in a placement group, each on its planned node and device."""
+    with console.status(f"placing {plan.world_size} workers"):
+        return place(
+            plan, job=cfg.name, use_gpu=use_gpu, cpus_per_worker=cfg.cluster.cpus_per_worker,
+            threads_per_worker=max(1, int(cfg.cluster.cpus_per_worker)),
+            timeout_s=cfg.cluster.placement_timeout_s,
+        )
+
+
+def _start(cfg: JobConfig, plan: Plan, topology: ClusterTopology, run: RunDir, console: Console,
+           placement: Placement, state: RunState, resume: str | None, use_gpu: bool) -> list[dict[str, Any]]:
+    """Every rank joins the process group, builds its part of the model and loads `resume`;
+    what each set up for itself (the GPUs it exposes to NCCL, the CPUs it runs on, its NCCL
+    environment) is added to placement.json. Returns each rank's setup report."""
+    affinity = cpu_affinity(plan, topology)
+    nccl = nccl_settings(plan, topology)
+    actors = placement.actors
+    try:
+        master = ray.get(actors[0].rendezvous_address.remote())
+        with console.status("starting the process group and building the model"):
+            setups = ray.get([
+                a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r], state.model_fn)
+                for r, a in enumerate(actors)
+            ])
+    except (RayActorError, RayTaskError) as e:
+        raise_failure(e, placement)
+    for report, setup in zip(placement.reports, setups):
+        report.update(visible_gpus=setup["visible_gpus"], cpus=setup["cpus"], backend=setup["backend"],
+                      nccl_env=setup["nccl_env"])
+    run.write_json("placement.json", placement.reports)
+    for note in notes(setups):
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if resume:
+        console.print(f"resumed from {escape(resume)} at step {setups[0]['start_step']}")
+    return setups
+
+
+def _after_regrow(g: Regrow, console: Console, state: RunState, ckpt_dir: str, run: RunDir) -> str:
+    """Where a grown world resumes. The old world trained on until its actors were gone and may
+    have committed a newer checkpoint than the one that set off the regrow: the newest whole one
+    (re-training from the older would then find its step already committed)."""
+    found = latest_whole_checkpoint(ckpt_dir, console)
+    resume, step = found if found and found[1] > g.step else (g.checkpoint, g.step)
+    state.restarts.append(g.restart_record(state.last_step, step))
+    console.print(f"[green]{escape(g.reason)}:[/] re-planning from step {step}")
+    state.rewind(step, run)
+    return resume
+
+
+def _after_failure(f: WorkerFailure, cfg: JobConfig, console: Console, state: RunState, ckpt_dir: str, run: RunDir,
+                   resume_from: str | None) -> str | None:
+    """Where the run resumes after a failure (the newest whole checkpoint, else the one it was
+    resumed from, else step 0), or RunFailed once train.max_failures restarts are used up."""
+    found = latest_whole_checkpoint(ckpt_dir, console)
+    if found is None and resume_from:
+        from ..runtime import checkpoint
+
+        found = (resume_from, int(checkpoint.verify(resume_from)["step"]))
+    resume, resume_step = found if found else (None, 0)
+    state.restarts.append(f.restart_record(state.last_step, resume_step))
+    record_restart(cfg.name)
+    failures = sum(1 for r in state.restarts if not r.get("grow"))
+    if failures > cfg.train.max_failures:
+        run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+        raise RunFailed(
+            f"rank(s) {f.ranks} failed ({f.reason}) and train.max_failures={cfg.train.max_failures} "
+            f"restarts are used up; the last whole checkpoint is {resume or 'none'}"
+        ) from f
+    console.print(
+        f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {failures}/"
+        f"{cfg.train.max_failures} from " + (f"step {resume_step} ({escape(resume)})" if resume else
+                                            "step 0: no checkpoint was written yet")
+    )
+    state.rewind(resume_step, run)
+    return resume

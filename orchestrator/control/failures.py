@@ -1,0 +1,87 @@
+"""What ends an attempt early, and the record of each restart in summary.json.
+
+A failure names only the ranks that are dead or silent (`supervise`): survivors stuck in a
+collective behind a dead peer are not failed. A regrow is no failure: more devices came
+alive, so the driver re-plans from the checkpoint just committed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from . import supervise
+from .rundir import RunDir
+
+
+def now(t: float | None = None) -> str:
+    """A local timestamp as summary.json writes them."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+class WorkerFailure(Exception):
+    """A worker actor died or a rank raised while training."""
+
+    def __init__(self, reason: str, ranks: list[int], nodes: list[str], detected_unix_s: float | None = None,
+                 stacks: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.ranks, self.nodes = reason, ranks, nodes
+        self.detected_unix_s = detected_unix_s or time.time()
+        """When the driver saw the failure (before asking who is to blame)."""
+        self.detected_at = now(self.detected_unix_s)
+        self.stacks = stacks
+        """The run-directory folder with every rank's stacks (a hang), else None."""
+
+    def restart_record(self, failed_at_step: int, resumed_from_step: int) -> dict[str, Any]:
+        """The summary's record of the restart this failure causes."""
+        return {
+            "time": now(),
+            "detected_at": self.detected_at,
+            "detected_unix_s": self.detected_unix_s,
+            "reason": self.reason,
+            "ranks": self.ranks,
+            "nodes": self.nodes,
+            **({"stacks": self.stacks} if self.stacks else {}),
+            "failed_at_step": failed_at_step,
+            "resumed_from_step": resumed_from_step,
+            "steps_lost": max(0, failed_at_step - resumed_from_step),
+        }
+
+
+class Regrow(Exception):
+    """More devices are alive than the running plan was made for: re-plan from the checkpoint
+    just committed (not a failure: it does not count against train.max_failures)."""
+
+    def __init__(self, before: int, now: int, checkpoint: str, step: int) -> None:
+        super().__init__(f"grow: {now} devices available, the plan was made for {before}")
+        self.reason, self.checkpoint, self.step = str(self), checkpoint, step
+
+    def restart_record(self, failed_at_step: int, resumed_from_step: int) -> dict[str, Any]:
+        return {"time": now(), "reason": self.reason, "ranks": [], "nodes": [], "grow": True,
+                "failed_at_step": failed_at_step, "resumed_from_step": resumed_from_step,
+                "steps_lost": max(0, failed_at_step - resumed_from_step)}
+
+
+def _nodes_of(placement, ranks: list[int]) -> list[str]:
+    return sorted({placement.reports[r]["node_id"] for r in ranks}) if placement.reports else []
+
+
+def raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> None:
+    """Turn a rank's error into a WorkerFailure naming only the ranks whose actors are dead
+    (or no longer answer): survivors stuck in a collective behind them are not failed."""
+    detected = time.time()
+    node_of = [r["node_id"] for r in placement.reports] if placement.reports else None
+    dead = supervise.blame(placement.actors, known_dead, node_of).ranks
+    kind = "worker died" if dead else "rank raised"
+    lines = str(err).strip().splitlines()
+    detail = next((ln for ln in reversed(lines) if ln.strip()), type(err).__name__)[:200]
+    raise WorkerFailure(f"{kind}: {detail}", dead, _nodes_of(placement, dead), detected) from err
+
+
+def raise_hang(run: RunDir, placement, timeout_s: float, step: int) -> None:
+    """No step finished for `timeout_s`: save every rank's stacks, blame the silent ones."""
+    detected = time.time()
+    folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
+    who = supervise.save_stacks(placement.actors, run.path / folder)
+    raise WorkerFailure(f"hang: no step finished within {timeout_s:.0f} s after step {step}; stacks in {folder}",
+                        who.ranks, _nodes_of(placement, who.ranks), detected, folder)

@@ -1,0 +1,149 @@
+"""Following a running world from the driver: every rank's step loop is started, and what the
+ranks report through the metrics sink is turned into metrics.jsonl, the progress bar and the
+straggler report until every rank returns. A rank's future failing is the failure signal; no
+step for too long is a hang; more devices alive at a checkpoint is a regrow."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from rich.console import Console
+from rich.markup import escape
+
+from ..config import JobConfig
+from ..planning import Plan
+from ..planning.model_spec import ModelSpec
+from . import supervise
+from .failures import Regrow, raise_failure, raise_hang
+from .progress import ProgressView
+from .rundir import RunDir
+from .straggler import StragglerTracker, describe
+
+METRIC_KEYS = ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s", "grad_norm", "mfu",
+               "val_loss")
+"""The fields of one metrics.jsonl row."""
+
+
+@dataclass
+class RunState:
+    """What the driver has seen of the run so far (across restarts)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """One metrics row per completed step, as written to metrics.jsonl."""
+    stragglers: StragglerTracker = field(default_factory=StragglerTracker)
+    """Every rank's own step and exposed-communication times (the current world's ranks)."""
+    val: list[tuple[int, float]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    model_fn: Callable[..., Any] | None = None
+    """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
+    spec: ModelSpec | None = None
+    """The measured model the planner prices; None for the built-in GPT (its formulas)."""
+
+    @property
+    def last_step(self) -> int:
+        return self.rows[-1]["step"] if self.rows else 0
+
+    def rewind(self, step: int, run: RunDir) -> None:
+        """Forget what happened after `step` (a resumed run recomputes those steps), in memory
+        and in metrics.jsonl."""
+        self.rows = [r for r in self.rows if r["step"] <= step]
+        self.val = [v for v in self.val if v[0] <= step]
+        run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
+
+
+def where(plan: Plan) -> dict[int, dict[str, Any]]:
+    """Each rank's placement in the plan (node, device, NIC), for the straggler report."""
+    return {r.rank: r.to_dict() for r in plan.ranks}
+
+
+def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan, state: RunState, start: int,
+           ckpt_dir: str, devices_at_plan: int = 0,
+           devices_now: Callable[[], int] | None = None) -> list[dict[str, Any]]:
+    """Run every rank's step loop from `start` and follow it until all return; returns each
+    rank's final report. Raises WorkerFailure (a rank died, raised or hung) or Regrow (more
+    devices than `devices_at_plan` alive when a checkpoint was just committed)."""
+    from ..runtime.worker import MetricsSink
+
+    actors = placement.actors
+    # The sink lives beside the driver: a worker node may fail, the driver's own node may not.
+    sink = MetricsSink.options(
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+    ).remote()
+    refs = [a.train.remote(start, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
+    pending = list(refs)
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    state.stragglers = StragglerTracker()  # this world's ranks only
+    placed = where(plan)
+    announced: set[int] = set()
+    e = cfg.elastic
+    watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s))
+    try:
+        with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
+            while True:
+                done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+                if done:  # take whatever else finished with it, so every dead rank is seen at once
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=0) if pending else ([], [])
+                    done += more
+                items = ray.get(sink.drain.remote())
+                if items:
+                    watchdog.progressed()
+                saved = [(it["step"], it["path"]) for it in items if it["kind"] == "checkpoint"]
+                timed = any(it["kind"] == "times" for it in items)
+                consume(items, state, run, view, cfg.monitor.log_interval)
+                if timed:
+                    slow = [s for s in state.stragglers.report(placed) if s["rank"] not in announced]
+                    if slow:
+                        announced.update(s["rank"] for s in slow)
+                        console.print(f"[yellow]straggler:[/] {escape(describe(slow))}")
+                errors = {}
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except (RayActorError, RayTaskError) as err:
+                        errors[rank_of[ref]] = err
+                if errors:
+                    raise_failure(errors[min(errors)], placement, supervise.dead_from_futures(errors))
+                if not pending:
+                    break
+                # Grow only at a checkpoint boundary: the checkpoint just committed is where the
+                # larger world resumes, so (almost) nothing is recomputed.
+                if saved and devices_now is not None and (now := devices_now()) > devices_at_plan:
+                    raise Regrow(devices_at_plan, now, saved[-1][1], saved[-1][0])
+                if watchdog.hung():
+                    raise_hang(run, placement, watchdog.timeout_s, state.last_step)
+        return ray.get(refs)
+    finally:
+        ray.kill(sink)
+
+
+def consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:
+    """Take what the ranks reported into the run's state, the progress view and metrics.jsonl
+    (every `every`-th step and every step with a validation loss)."""
+    rows = []
+    for it in items:
+        kind = it.pop("kind")
+        if kind == "end":
+            continue
+        if kind == "eval":
+            state.val.append((it["step"], it["val_loss"]))
+        elif kind == "checkpoint":
+            state.checkpoints.append(it["path"])
+        elif kind == "times":
+            state.stragglers.add(it["rank"], [tuple(t) for t in it["times"]])
+        elif kind == "step":
+            row = {k: it.get(k) for k in METRIC_KEYS}
+            state.rows.append(row)
+            if row["val_loss"] is not None:
+                state.val.append((row["step"], row["val_loss"]))
+            view.update(row, state.val[-1][1] if state.val else None)
+            if row["step"] % every == 0 or row["val_loss"] is not None:
+                rows.append(row)
+    run.append_jsonl("metrics.jsonl", rows)

@@ -1,0 +1,41 @@
+"""What the driver checks of the user's model before any worker starts: it is measured on the
+meta device (no memory) into the ModelSpec the planner prices, and a model that breaks the
+contract is refused in one line naming the key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..config import JobConfig
+from ..errors import ConfigError, PlanError
+from ..planning.model_spec import ModelSpec
+
+
+def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> ModelSpec | None:
+    """The model's spec, measured on the meta device; None for the built-in GPT. ConfigError
+    (one line naming the key) for a model that breaks the contract."""
+    from ..workloads.inspect import is_builtin_gpt, model_spec
+
+    if is_builtin_gpt(cfg.model, model_fn):
+        return None
+    spec = model_spec(cfg.model, model_fn)
+    if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
+        _check_pipeline_contract(cfg, model_fn)
+    return spec
+
+
+def _check_pipeline_contract(cfg: JobConfig, model_fn: Callable[..., Any] | None) -> None:
+    """A forced pipeline needs a model that names its ends: refused here, in one line, before
+    any worker starts."""
+    import torch
+
+    from ..runtime.pipeline import pipeline_parts
+    from ..workloads.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, model_fn)
+    try:
+        pipeline_parts(model)
+    except PlanError as e:
+        raise ConfigError(f"key 'parallel.pp': {e}") from None

@@ -1,0 +1,109 @@
+"""The run's outcome: summary.json (the plan's predictions beside what was measured), the loss
+curve, and the table the console ends with."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..config import JobConfig
+from ..planning import Plan
+from .curve import loss_svg
+from .follow import RunState, where
+from .rundir import RunDir
+
+AGREEMENT = (0.5, 2.0)
+"""Measured over predicted outside this range is warned about in the summary."""
+
+
+def steady_mean(values: list[float]) -> float:
+    """Mean over the steps after the first few (which include warm-up and allocation)."""
+    tail = values[min(len(values) // 5, 10):] or values
+    return sum(tail) / len(tail) if tail else float("nan")
+
+
+def notes(setups: list[dict[str, Any]]) -> list[str]:
+    """Every rank's notes, each said once, in rank order."""
+    return list(dict.fromkeys(n for s in setups for n in s["notes"]))
+
+
+def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall: float, reports) -> dict[str, Any]:
+    """summary.json of a finished run."""
+    lo, hi = AGREEMENT
+    first_val = state.val[0][1] if state.val else None
+    final_val = state.val[-1][1] if state.val else None
+    measured_step = steady_mean([r["step_s"] for r in state.rows])
+    predicted = plan.step_time.total_s
+    measured_mem = [f["state_bytes"] for f in finals]
+    warnings = []
+    if predicted and math.isfinite(measured_step) and not (lo <= measured_step / predicted <= hi):
+        warnings.append(f"measured step time {measured_step:.3g}s differs from the plan's {predicted:.3g}s "
+                        "by more than 2x")
+    m = plan.memory_per_rank
+    model_state_pred = m.params + m.grads + m.optimizer
+    model_state_meas = max((sum(m.values()) for m in measured_mem), default=0)
+    if model_state_pred and model_state_meas and not (lo <= model_state_meas / model_state_pred <= hi):
+        warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's "
+                        f"{model_state_pred:,} by more than 2x")
+    return {
+        "job": cfg.name,
+        "strategy": str(plan.strategy),
+        "world_size": plan.world_size,
+        "mesh": plan.mesh.to_dict(),
+        "num_params": setups[0]["num_params"],
+        "backend": setups[0]["backend"],
+        "steps": state.last_step,
+        "first_val_loss": first_val,
+        "final_val_loss": final_val,
+        "val_loss_drop": (1 - final_val / first_val) if first_val and final_val is not None else None,
+        "final_train_loss": state.rows[-1]["loss"] if state.rows else None,
+        "tokens_per_s": steady_mean([r["tokens_per_s"] for r in state.rows]),
+        "step_s": measured_step,
+        "wall_s": wall,
+        "checkpoints": state.checkpoints,
+        "predicted": {"step_s": predicted, "exposed_comm_s": plan.step_time.exposed_comm_s,
+                      "model_state_bytes_per_rank": model_state_pred},
+        "measured": {"step_s": measured_step, "exposed_comm_s": steady_mean(
+                         [r["exposed_comm_s"] for r in state.rows if r.get("exposed_comm_s") is not None]),
+                     "model_state_bytes_per_rank": measured_mem},
+        "notes": notes(setups),
+        "warnings": warnings,
+        "nodes": sorted({r["node_id"] for r in reports}),
+        "restarts": state.restarts,
+        "stragglers": state.stragglers.report(where(plan)),
+    }
+
+
+def write_loss_curve(run: RunDir, cfg: JobConfig, plan: Plan, state: RunState) -> None:
+    train = [(r["step"], r["loss"]) for r in state.rows]
+    run.write_text("loss.svg", loss_svg(train, state.val, f"{cfg.name}: {plan.strategy} on {plan.world_size} workers",
+                                        [r["resumed_from_step"] for r in state.restarts]))
+
+
+def print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
+    t = Table(title=f"{s['job']}: {s['strategy']} on {s['world_size']} workers", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    fmt = lambda v, f: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, f)  # noqa: E731
+    t.add_row("parameters", fmt(s["num_params"], ","))
+    t.add_row("steps", str(s["steps"]))
+    t.add_row("val loss first -> last", f"{fmt(s['first_val_loss'], '.4f')} -> {fmt(s['final_val_loss'], '.4f')}")
+    t.add_row("val loss drop", fmt(s["val_loss_drop"], ".1%"))
+    t.add_row("tokens/s (steady)", fmt(s["tokens_per_s"], ",.0f"))
+    t.add_row("step time (steady)", f"{fmt(s['step_s'] * 1000 if s['step_s'] else None, '.1f')} ms")
+    if s["predicted"]["step_s"]:
+        t.add_row("step time predicted", f"{s['predicted']['step_s'] * 1000:.1f} ms")
+    exposed = s["measured"]["exposed_comm_s"]
+    predicted_exposed = s["predicted"]["exposed_comm_s"]
+    t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
+              + (f" (predicted {predicted_exposed * 1000:.1f} ms)" if predicted_exposed else ""))
+    t.add_row("wall time", f"{s['wall_s']:.1f} s")
+    t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
+    console.print(t)
+    for w in s["warnings"]:
+        console.print(f"[yellow]warning:[/] {escape(w)}")
+    console.print(f"run directory: {run.path}  (loss curve: {run.path / 'loss.svg'})", markup=False)
