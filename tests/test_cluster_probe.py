@@ -40,6 +40,7 @@ def two_nodes(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_probe_cluster_reports_each_declared_node(two_nodes) -> None:
     head_id, worker_id = two_nodes
     topo = probe_cluster()

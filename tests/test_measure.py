@@ -95,6 +95,7 @@ def local_ray():
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_gloo_actors_measure_and_cache(local_ray, tmp_path: Path, monkeypatch) -> None:
     node = cpu_node(4, hostname="bench-host", node_id=local_ray)
     cluster = ClusterTopology(nodes=[node, NodeTopology(hostname="sim", node_id="x", source="declared:f.txt")])
@@ -123,6 +124,7 @@ def test_gloo_actors_measure_and_cache(local_ray, tmp_path: Path, monkeypatch) -
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_two_nodes_time_the_network_with_all_reduce(tmp_path: Path) -> None:
     import ray
     from ray.cluster_utils import Cluster

@@ -31,6 +31,7 @@ def agreement():
     return memory_model.compare(planned, memory_model.measure(WORLD, planned))
 
 
+@pytest.mark.slow
 def test_every_strategy_is_measured_on_every_rank(agreement):
     rows = {r["strategy"]: r for r in agreement["rows"]}
     assert set(rows) == {"ddp", "zero1", "zero2", "zero3", "hsdp", "tp+fsdp"}
@@ -39,6 +40,7 @@ def test_every_strategy_is_measured_on_every_rank(agreement):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp", "tp+fsdp"])
+@pytest.mark.slow
 def test_planned_model_states_match_the_runtime_within_10_percent(agreement, strategy):
     row = next(r for r in agreement["rows"] if r["strategy"] == strategy)
     pred, meas = row["predicted"], row["measured"]
@@ -47,6 +49,7 @@ def test_planned_model_states_match_the_runtime_within_10_percent(agreement, str
         assert pred[state] == pytest.approx(meas[state], rel=TOLERANCE), (state, row)
 
 
+@pytest.mark.slow
 def test_sharding_shrinks_what_a_rank_holds(agreement):
     # The measured order the strategies promise: replicate > shard optimizer > shard all.
     meas = {r["strategy"]: r["measured"] for r in agreement["rows"]}

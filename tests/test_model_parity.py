@@ -24,6 +24,7 @@ def _reference(model: str) -> list[float]:
 
 @pytest.mark.parametrize("model", list(pw.MODELS))
 @pytest.mark.parametrize("case", list(pw.MESHES))
+@pytest.mark.slow
 def test_matches_one_process(model: str, case: str, results) -> None:
     ref = _reference(model)
     got = results[f"{model}/{case}"]["losses"]
@@ -34,6 +35,7 @@ def test_matches_one_process(model: str, case: str, results) -> None:
 
 @pytest.mark.parametrize("model", list(pw.MODELS))
 @pytest.mark.parametrize("case", list(pw.MESHES))
+@pytest.mark.slow
 def test_planned_model_states_match_every_rank_within_10_percent(model: str, case: str, results) -> None:
     from orchestrator.config import ModelConfig
     from orchestrator.planning.memory import byte_layout, runtime_states

@@ -34,7 +34,7 @@ TINY = [
     "monitor.progress=false", "monitor.dashboard=false",
 ]
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 # Node B's user set NCCL_SOCKET_IFNAME (NCCL's exact-match syntax): it must reach NCCL unchanged.

@@ -89,6 +89,7 @@ def test_placement_selects_on_the_domain_label_its_nodes_advertise(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_live_domain_spans_two_labelled_nodes_behind_a_gpu_less_head(tmp_path):
     """Two fake trays declared as one NVLink domain and started with their `node-labels`:
     a tp=4 group spans both, and placement holds them through the domain label selector.

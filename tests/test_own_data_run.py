@@ -32,7 +32,7 @@ TINY = [
     "monitor.progress=false", "monitor.dashboard=false", "parallel.strategy=ddp", "cluster.num_workers=2",
 ]
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

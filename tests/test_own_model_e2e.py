@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "examples/own_model/job.yaml")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _env(pythonpath: Path) -> dict[str, str]:

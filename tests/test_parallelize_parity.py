@@ -57,6 +57,7 @@ def test_reference_learns_and_clips(references) -> None:
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.tolerance <= 1e-5])
+@pytest.mark.slow
 def test_loss_and_grad_norm_match_single_process(name, results, references) -> None:
     case, got, ref = CASES[name], results[name], _reference(references, CASES[name])
     assert len(got["losses"]) == pw.STEPS >= 5
@@ -66,6 +67,7 @@ def test_loss_and_grad_norm_match_single_process(name, results, references) -> N
         assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: grad norm {a} vs single process {b}"
 
 
+@pytest.mark.slow
 def test_fp16_compression_is_applied_and_close(results, references) -> None:
     got, ref = results["ddp_fp16"], _reference(references, CASES["ddp_fp16"])
     diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
@@ -74,6 +76,7 @@ def test_fp16_compression_is_applied_and_close(results, references) -> None:
     assert max(diffs) <= CASES["ddp_fp16"].tolerance
 
 
+@pytest.mark.slow
 def test_powersgd_warm_up_keeps_the_early_steps_exact(results, references) -> None:
     # zero1's run is long enough that every step here is warm-up: it stays in the exact cases.
     zero1 = CASES["zero1"]
@@ -91,6 +94,7 @@ def test_powersgd_warm_up_keeps_the_early_steps_exact(results, references) -> No
     assert got[-1] < got[0]
 
 
+@pytest.mark.slow
 def test_bf16_on_gloo_is_skipped_with_a_note(results) -> None:
     # resolve drops it for CPU ranks, and the runtime reports that note and nothing else.
     assert results["zero2"]["notes"] == [
@@ -100,6 +104,7 @@ def test_bf16_on_gloo_is_skipped_with_a_note(results) -> None:
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES])
+@pytest.mark.slow
 def test_the_runtime_notes_are_the_executions_own(name, results) -> None:
     # What ran differently from the request is what resolve said, no more: only zero2's
     # compression and tp_ddp's wrapping (ddp with tp=2 runs as FSDP2) differ from the request.
@@ -114,6 +119,7 @@ def test_bf16_reduction_on_a_gloo_group_is_skipped_by_the_runtime_too(one_rank_g
     assert notes == ["bf16 gradient compression skipped: it needs the NCCL backend, this group uses gloo"]
 
 
+@pytest.mark.slow
 def test_hierarchical_all_reduce_ran_over_node_groups(results) -> None:
     # The parity of ddp_hier (above) only means something if its buckets took the hierarchy.
     h = results["ddp_hier"]["hierarchy"]
@@ -125,6 +131,7 @@ def test_hierarchical_all_reduce_ran_over_node_groups(results) -> None:
     assert all(results[n]["hierarchy"] is None for n in CASES if n != "ddp_hier")
 
 
+@pytest.mark.slow
 def test_hierarchical_all_reduce_pads_and_composes_with_fp16(results) -> None:
     errors = results["ddp_hier"]["hierarchy"]["odd_errors"]
     # 7 elements over nodes of 2 ranks: the padded tail must not leak into the mean.
@@ -168,6 +175,7 @@ def test_hierarchical_sync_that_cannot_run_falls_back_to_flat_with_a_note(one_ra
     assert notes == [note]
 
 
+@pytest.mark.slow
 def test_bf16_gathers_track_a_bf16_autocast_single_process(results, references) -> None:
     case, got = CASES["zero3_bf16"], results["zero3_bf16"]
     ref = _reference(references, case)
@@ -185,6 +193,7 @@ def test_bf16_gathers_track_a_bf16_autocast_single_process(results, references) 
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES])
+@pytest.mark.slow
 def test_fsdp2_gathers_weights_in_the_spec_param_dtype(name, results) -> None:
     case, got = CASES[name], results[name]
     fsdp2 = case.ex.strategy not in ("ddp", "zero1") or case.ex.mesh.tp > 1
@@ -216,12 +225,14 @@ def test_param_dtype_follows_the_autocast_dtype() -> None:
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.checkpoint])
+@pytest.mark.slow
 def test_dcp_checkpoint_resumes_exactly(name, results) -> None:
     got = results[name]
     assert got["resumed_loss"] == got["losses"][-1]
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES if c.resume_from])
+@pytest.mark.slow
 def test_dcp_checkpoint_reshards_across_strategies(name, results, references) -> None:
     # A checkpoint written under another strategy and mesh continues the same trajectory.
     case = CASES[name]
@@ -250,6 +261,7 @@ def _expected_param_bytes(case: pw.Case) -> float:
 
 
 @pytest.mark.parametrize("name", [c.name for c in pw.CASES])
+@pytest.mark.slow
 def test_state_bytes_match_the_strategy(name, results) -> None:
     case = CASES[name]
     states = results[name]["state_bytes"]
@@ -267,6 +279,7 @@ def test_state_bytes_match_the_strategy(name, results) -> None:
             assert s["optimizer"] == pytest.approx(2 * expected, rel=0.10), f"rank {rank} optimizer"
 
 
+@pytest.mark.slow
 def test_zero3_holds_a_quarter_of_the_model(results) -> None:
     total = sum(p.numel() * 4 for p in pw.fresh_model().parameters())
     assert results["zero3"]["state_bytes"][0]["params"] == pytest.approx(total / 4, rel=0.05)

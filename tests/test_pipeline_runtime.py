@@ -41,6 +41,7 @@ def test_reference_learns_and_clips(reference) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_pipeline_matches_one_process(name, results, reference) -> None:
     got = results[name]
     assert len(got["losses"]) == pw.STEPS
@@ -51,11 +52,13 @@ def test_pipeline_matches_one_process(name, results, reference) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.checkpoint])
+@pytest.mark.slow
 def test_resume_from_a_pipeline_checkpoint_is_exact(name, results) -> None:
     got = results[name]
     assert got["resumed_loss"] == got["losses"][-1]
 
 
+@pytest.mark.slow
 def test_stages_checkpoint_under_the_whole_models_names(results) -> None:
     # Ranks of one stage hold the same keys; the two stages together hold every block once,
     # the embedding on the first and the (tied) head on the last.

@@ -53,6 +53,7 @@ def _one_line(out: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_closed_gcs_port(tmp_path):
     port = _closed_port()
     code, out, took = _submit(f"cluster.address=127.0.0.1:{port}", f"monitor.runs_dir={tmp_path}")
@@ -63,6 +64,7 @@ def test_closed_gcs_port(tmp_path):
     assert not any(tmp_path.iterdir())  # no empty run directory left behind
 
 
+@pytest.mark.slow
 def test_port_that_is_not_a_gcs(http_port):
     code, out, took = _submit(f"cluster.address=127.0.0.1:{http_port}")
     line = _one_line(out)
@@ -70,6 +72,7 @@ def test_port_that_is_not_a_gcs(http_port):
     assert "does not answer as a Ray GCS" in line and f"127.0.0.1:{http_port}" in line
 
 
+@pytest.mark.slow
 def test_auto_with_a_stale_address_file(tmp_path):
     port = _closed_port()
     (tmp_path / "ray").mkdir()
@@ -81,6 +84,7 @@ def test_auto_with_a_stale_address_file(tmp_path):
     assert "ray start --head" in line
 
 
+@pytest.mark.slow
 def test_auto_with_ray_address_set_names_it():
     port = _closed_port()
     code, out, _ = _submit("cluster.address=auto", env={"RAY_ADDRESS": f"127.0.0.1:{port}"})

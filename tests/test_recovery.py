@@ -33,7 +33,7 @@ TINY = [
     "monitor.progress=false", "monitor.dashboard=false",
 ]
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture

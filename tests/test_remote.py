@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "tests/fixtures/topology/topo_4gpu_pcie_pxb_pix_nccl667.txt"

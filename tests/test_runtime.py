@@ -76,6 +76,7 @@ def test_two_worker_run_learns_and_records_everything(cluster, tmp_path):
     assert [Path(c).name for c in checkpoint.committed(str(run_dir / "checkpoints"))] == ["step_00000030"]
 
 
+@pytest.mark.slow
 def test_ddp_two_workers_equal_one_worker(cluster, tmp_path):
     common = ("train.max_steps=4", "train.eval_interval=4", "parallel.strategy=ddp", "train.micro_batch_size=2")
     one_dir, one, cfg = _run(tmp_path, *common, "cluster.num_workers=1")
@@ -88,6 +89,7 @@ def test_ddp_two_workers_equal_one_worker(cluster, tmp_path):
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_two_workers_end_at_the_val_loss_of_pp1_and_survive_a_killed_stage(cluster, tmp_path):
     # Two stages (one block each, the embedding on the first, head and loss on the second) run
     # the plan's 4 micro-batches under 1F1B; the same job without a pipeline is ddp on 2 ranks.
@@ -138,6 +140,7 @@ def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threadi
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(cluster, tmp_path):
     # enough steps that the kill lands mid-run whatever the machine's speed
     common = ("train.max_steps=80", "train.eval_interval=20", "checkpoint.interval=4", "parallel.strategy=ddp")
@@ -166,6 +169,7 @@ def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(c
     assert (run_dir / "loss.svg").read_text().count(">restart<") == 1  # the curve marks where it resumed
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, tmp_path):
     first_dir, _, cfg = _run(tmp_path, "train.max_steps=6", "train.eval_interval=3", "checkpoint.interval=3",
                              "cluster.num_workers=2")
@@ -185,6 +189,7 @@ def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, t
     assert sorted(p.name for p in (first_dir / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.slow
 def test_corrupted_latest_checkpoint_is_refused_by_name_and_the_previous_used(cluster, tmp_path):
     run_dir, _, _ = _run(tmp_path, "train.max_steps=4", "train.eval_interval=2", "checkpoint.interval=2")
     ckpts = checkpoint.committed(str(run_dir / "checkpoints"))
@@ -213,6 +218,7 @@ checkpoint.save(root, 2, {"w": torch.full((1000,), 2.0)}, {}, keep_last=5)
 """
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path):
     import socket
 
@@ -233,6 +239,7 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
     assert torch.equal(state["w"], torch.ones(1000))
 
 
+@pytest.mark.slow
 def test_submit_cli_end_to_end(tmp_path):
     """The README's command, shortened: trains, prints the run directory, exits 0."""
     proc = subprocess.run(
@@ -255,6 +262,7 @@ print(before, sorted(os.sched_getaffinity(0)), notes)
 """
 
 
+@pytest.mark.slow
 def test_worker_pins_to_the_cpus_near_its_gpu_and_never_widens(tmp_path):
     from orchestrator.topology.model import parse_cpu_list
 
@@ -271,6 +279,7 @@ def test_worker_pins_to_the_cpus_near_its_gpu_and_never_widens(tmp_path):
     assert out.startswith(f"{before} {before} ['rank 3: none of the CPUs near its GPU (100000-100003)")
 
 
+@pytest.mark.slow
 def test_fp16_trains_with_loss_scaling_and_is_refused_where_it_cannot(cluster, tmp_path):
     from orchestrator.errors import PlanError
 
@@ -281,6 +290,7 @@ def test_fp16_trains_with_loss_scaling_and_is_refused_where_it_cannot(cluster, t
         _run(tmp_path, "train.precision=fp16", "parallel.strategy=zero2", "train.max_steps=2")
 
 
+@pytest.mark.slow
 def test_elastic_max_workers_caps_the_world(cluster, tmp_path):
     from orchestrator.topology.model import ClusterTopology, cpu_node
 
