@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -67,24 +68,84 @@ def test_nvswitch_any_layout_is_equal_and_the_plan_says_so(capture, gpu):
     assert any("any layout is equal" in line for line in plan.explanation)
 
 
-def test_cube_mesh_splits_into_fully_connected_quads():
-    # DGX-1 style hybrid cube mesh: two NVLink quads {0,1,2,3}, {4,5,6,7} joined i <-> i+4.
+def _cube_mesh() -> tuple[NodeTopology, dict[int, int], list[set[int]]]:
+    """DGX-1 style hybrid cube mesh: two NVLink quads {0,1,2,3}, {4,5,6,7} joined i <-> i+4
+    by two lanes (one lane inside a quad), with the GPUs numbered so that the quads are
+    interleaved (the identity layout is wrong)."""
     quads = [{0, 1, 2, 3}, {4, 5, 6, 7}]
     links = []
     for a in range(8):
         for b in range(a + 1, 8):
             same = any({a, b} <= q for q in quads)
             if same or b == a + 4:
-                links.append(Link(a=a, b=b, kind="nvlink", nvlinks=1, nvlink_gen=2,
+                links.append(Link(a=a, b=b, kind="nvlink", nvlinks=1 if same else 2, nvlink_gen=2,
                                   bandwidth_gbps=25.0 if same else 50.0, latency_us=1.0))
             else:
                 links.append(Link(a=a, b=b, kind="sys", bandwidth_gbps=6.3, latency_us=6.0))
     from orchestrator.topology.model import Device
-    # Number the GPUs so that the quads are interleaved: the identity layout would be wrong.
     perm = {0: 0, 1: 2, 2: 4, 3: 6, 4: 1, 5: 3, 6: 5, 7: 7}
-    node = _relabel(NodeTopology(devices=[Device(index=i, name="V100") for i in range(8)], links=links), perm)
+    return _relabel(NodeTopology(devices=[Device(index=i, name="V100") for i in range(8)], links=links), perm), \
+        perm, quads
+
+
+def test_cube_mesh_splits_into_fully_connected_quads():
+    node, perm, quads = _cube_mesh()
     plan = _plan(node, "parallel.tp=4", gpu="V100")
     assert sorted(map(sorted, _tp_pairs(plan))) == [sorted(perm[i] for i in q) for q in quads]
+
+
+def _ring_seconds(gpus: tuple[int, ...], node: NodeTopology) -> float:
+    """A 1 GB ring all-reduce over a set of GPUs, alpha-beta on the capture's links alone:
+    2(k-1)/k of the buffer over the slowest link of the best ring through them (NCCL searches
+    the ring order itself, so only the set matters)."""
+    k = len(gpus)
+    if k == 1:
+        return 0.0
+    first, rest = gpus[0], gpus[1:]
+    best = max(min(node.link(a, b).bandwidth_gbps for a, b in zip((first, *order), (*order, first)))
+               for order in itertools.permutations(rest))
+    return 2 * (k - 1) / k * 1e9 / (best * 1e9)
+
+
+@pytest.mark.parametrize("case", ["a6000-tp2", "a6000-tp4", "pcie4-tp2", "cube-tp4", "cube-tp2"])
+@pytest.mark.parametrize("numbering", ["as captured", "shuffled"])
+def test_layout_is_the_best_of_every_gpu_order_by_brute_force(case, numbering):
+    """Every assignment of the node's GPUs to its local ranks (40320 on 8 GPUs), priced by a
+    cost of its own: the slowest tensor-parallel group's ring all-reduce first (the most
+    talkative axis), then the slowest data-parallel group's. The planner's layout must be one
+    of the cheapest."""
+    node, gpu, tp = {
+        "a6000-tp2": (load_topology_file(FIX / "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", "RTX A6000"),
+                      "RTX A6000", 2),
+        "a6000-tp4": (load_topology_file(FIX / "topo_8x_rtxa6000_nvlink_pairs_unige3741.txt", "RTX A6000"),
+                      "RTX A6000", 4),
+        "pcie4-tp2": (load_topology_file(FIX / "topo_4gpu_pcie_pxb_pix_nccl667.txt", "A10"), "A10", 2),
+        "cube-tp4": (_cube_mesh()[0], "V100", 4),
+        "cube-tp2": (_cube_mesh()[0], "V100", 2),
+    }[case]
+    if numbering == "shuffled":  # the same machine, its GPUs numbered against the wiring
+        n = len(node.devices)
+        node = _relabel(node, {i: (3 * i + 1) % n for i in range(n)})
+    plan = _plan(node, f"parallel.tp={tp}", "parallel.strategy=zero2", gpu=gpu)
+    axes = [[tuple(g) for g in plan.groups[a]] for a in ("tp", "dp_shard")]
+    cache: dict[frozenset, float] = {}
+
+    def cost(order: tuple[int, ...]) -> tuple[float, ...]:
+        out = []
+        for groups in axes:
+            worst = 0.0
+            for g in groups:
+                key = frozenset(order[r] for r in g)
+                if key not in cache:
+                    cache[key] = _ring_seconds(tuple(sorted(key)), node)
+                worst = max(worst, cache[key])
+            out.append(worst)
+        return tuple(out)
+
+    devices = sorted(d.index for d in node.devices)
+    best = min(cost(order) for order in itertools.permutations(devices))
+    chosen = cost(tuple(r.gpu for r in sorted(plan.ranks, key=lambda r: r.rank)))
+    assert chosen == pytest.approx(best), (chosen, best, [r.gpu for r in plan.ranks])
 
 
 def test_hsdp_shard_groups_stay_inside_a_node():

@@ -160,10 +160,18 @@ def test_powersgd_is_dropped_where_fsdp2_reduces_with_a_note():
 
 
 def test_powersgd_warm_up_is_a_tenth_of_the_run_and_at_least_two_steps():
-    assert [powersgd_warmup(n) for n in (0, 1, 10, 20, 30, 300, 1000, 5000)] == [2, 2, 2, 2, 3, 30, 100, 500]
-    assert POWERSGD_MIN_WARMUP == min(powersgd_warmup(n) for n in range(0, 100))
-    for n in (15, 299, 1001, 12345):
-        assert powersgd_warmup(n) == max(2, round(n / 10))
+    # torch's PowerSGD docs suggest starting compression after 10% of the training steps; a
+    # tenth to the nearest step, worked by hand:
+    assert [powersgd_warmup(n) for n in (0, 1, 10, 20, 30, 299, 300, 1000, 1001, 5000, 12346)] == \
+        [2, 2, 2, 2, 3, 30, 30, 100, 100, 500, 1235]
+    # ...and never below what torch's PowerSGDState accepts with error feedback and warm start
+    # on (its defaults, as the runtime builds it): it refuses start_powerSGD_iter <= 1. That
+    # holds for every run length and for the runtime's own floor.
+    hook = pytest.importorskip("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook")
+    for start in {powersgd_warmup(n) for n in range(0, 40)} | {POWERSGD_MIN_WARMUP}:
+        hook.PowerSGDState(process_group=None, start_powerSGD_iter=start)
+    with pytest.raises(ValueError, match="start_powerSGD_iter"):
+        hook.PowerSGDState(process_group=None, start_powerSGD_iter=1)
     assert _gpu("ddp", Mesh(dp_replicate=8), compression="powersgd", max_steps=300).compression_warmup_steps == 30
     for compression in ("none", "fp16", "bf16"):
         assert _gpu("ddp", Mesh(dp_replicate=8), compression=compression, max_steps=300).compression_warmup_steps == 0
