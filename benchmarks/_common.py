@@ -40,15 +40,23 @@ def run(main: Callable[[], int | None]) -> NoReturn:
     raise SystemExit(code or 0)
 
 
-def parse_args(doc: str, argv: Sequence[str] | None, extra=None) -> argparse.Namespace:
-    """`--quick` (the under-five-minute variant) and `--out` (where the JSON goes), plus what
-    `extra(parser)` adds."""
+def parser(doc: str, extra: Callable[[argparse.ArgumentParser], Any] | None = None) -> argparse.ArgumentParser:
+    """A benchmark's command line: `--quick` (the under-five-minute variant) and `--out` (where
+    the JSON goes), plus what `extra(parser)` adds. Each script keeps its `extra` at module level
+    as `options`, so that a stored result's command can be checked against the script's own
+    options (tests/test_benchmark_results.py)."""
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (minutes, not tens)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead of benchmarks/results/")
     if extra is not None:
         extra(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(doc: str, argv: Sequence[str] | None, extra=None) -> argparse.Namespace:
+    """The options of `parser(doc, extra)` parsed from `argv` (the process's own when None),
+    with the arguments as given kept for the result's command."""
+    args = parser(doc, extra).parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the result records the command as given
     return args
 
@@ -95,7 +103,10 @@ def _command(name: str, args: argparse.Namespace) -> str:
 
 
 def write_result(name: str, figures: dict[str, Any], args: argparse.Namespace) -> Path:
-    """Write `figures` with the machine and the command line as benchmarks/results/NAME.json."""
+    """Write `figures` as benchmarks/results/NAME.json (or `--out`) beside what makes them
+    traceable: the command as given (`_command`), whether it was `--quick`, the date and time
+    (`when`) and the machine with its Python, torch and Ray versions (`machine`). Every stored
+    result goes through here."""
     out = args.out or RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = {

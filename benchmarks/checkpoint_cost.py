@@ -92,9 +92,13 @@ def measure(params_m: float, steps: int, every: int, root: Path) -> dict:
     return out
 
 
+def options(ap) -> None:
+    ap.add_argument("--params-m", type=float, default=50.0, help="parameters of the MLP, millions (quick: 10)")
+    ap.add_argument("--steps", type=int, default=40, help="training steps (quick: 20)")
+
+
 def main(argv=None) -> None:
-    args = parse_args(__doc__, argv, lambda ap: (ap.add_argument("--params-m", type=float, default=50.0),
-                                                  ap.add_argument("--steps", type=int, default=40)))
+    args = parse_args(__doc__, argv, options)
     import torch.distributed as dist
 
     params_m, steps = (10.0, 20) if args.quick else (args.params_m, args.steps)

@@ -399,20 +399,21 @@ def _size(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
 
 
+def options(ap) -> None:
+    ap.add_argument("--world", type=int, default=2, help="processes (ranks) to run the collectives among")
+    ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                    help="auto: NCCL when there is a GPU per rank, else gloo")
+    ap.add_argument("--shaped", metavar="G:M,...", default=None,
+                    help="instead: two ranks in network namespaces over links of G Gbit/s and M ms (root)")
+    ap.add_argument("--per-node", type=int, choices=(1, 2), default=1,
+                    help="with --shaped: 2 runs 2 ranks in each namespace (flat and hierarchical all-reduce, "
+                         "reduce-scatter and all-gather over all 4)")
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    def extra(ap):
-        ap.add_argument("--world", type=int, default=2, help="processes (ranks) to run the collectives among")
-        ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="auto: NCCL when there is a GPU per rank, else gloo")
-        ap.add_argument("--shaped", metavar="G:M,...", default=None,
-                        help="instead: two ranks in network namespaces over links of G Gbit/s and M ms (root)")
-        ap.add_argument("--per-node", type=int, choices=(1, 2), default=1,
-                        help="with --shaped: 2 runs 2 ranks in each namespace (flat and hierarchical all-reduce, "
-                             "reduce-scatter and all-gather over all 4)")
-
-    args = parse_args(__doc__, argv, extra)
+    args = parse_args(__doc__, argv, options)
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.world else "gloo"

@@ -134,11 +134,12 @@ def compare(planned: list[dict[str, Any]], measured: list[list[dict[str, Any]]])
                      "missed_by": [r["strategy"] for r in rows if r["error"] > GOAL_ERROR]}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    def extra(ap):
-        ap.add_argument("--world", type=int, default=4, help="gloo processes (an even number, at least 4)")
+def options(ap) -> None:
+    ap.add_argument("--world", type=int, default=4, help="gloo processes (an even number, at least 4)")
 
-    args = parse_args(__doc__, argv, extra)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__, argv, options)
     models = {"gpt": QUICK_MODEL if args.quick else FULL_MODEL, "llama": QUICK_LLAMA if args.quick else FULL_LLAMA}
     t0 = time.perf_counter()
     results = {label: one_model(label, model, args.world) for label, model in models.items()}

@@ -5,8 +5,8 @@
 For every real capture in tests/fixtures/topology that describes a node's wiring, and for
 every ready cluster shape in conf/cluster (as shipped, and at 4 nodes), per model size:
 
-* blind: DDP over every GPU with ranks in Ray's default order (rank i on GPU i of node
-  i // g), the best DDP micro-batch and recomputation the planner finds;
+* blind: DDP over every GPU, no pipeline (`parallel.pp=1`), with ranks in Ray's default order
+  (rank i on GPU i of node i // g), the best DDP micro-batch and recomputation the planner finds;
 * placed: the planner's choice of strategy and mesh, but with ranks in Ray's default order
   (the gain of the strategy alone);
 * equal links: what a tool that treats every link alike decides: the planner run on a copy of
@@ -156,13 +156,14 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
     out["equal_links"] = {"strategy": str(equal.strategy), "mesh": equal.mesh.to_dict(), "step_s": priced.total_s,
                           "fits": priced.fits(ctx.usable_bytes)}
     try:
-        ddp = plan_job(load_config(None, [*overrides, "parallel.strategy=ddp", "parallel.tp=1"]), topo)
+        ddp = plan_job(load_config(None, [*overrides, "parallel.strategy=ddp", "parallel.tp=1", "parallel.pp=1"]),
+                       topo)
     except PlanError as e:
         out["blind"] = {"step_s": None, "fits": False, "reason": str(e)}
     else:
         c = _choice(ddp)
         blind = estimate(ctx, identity_layout(wirings, c.mesh), c)
-        out["blind"] = {"step_s": blind.total_s, "exposed_comm_s": blind.exposed_comm_s,
+        out["blind"] = {"mesh": ddp.mesh.to_dict(), "step_s": blind.total_s, "exposed_comm_s": blind.exposed_comm_s,
                         "fits": blind.fits(ctx.usable_bytes), "micro_batch_size": c.micro_batch,
                         "recompute": str(c.recompute)}
     a, b, p = out["aware"]["step_s"], out["blind"]["step_s"], out["placed"]["step_s"]

@@ -1,20 +1,19 @@
 """How long the full `auto` plan search takes as a cluster of 8 x H100 nodes grows.
 
-    python benchmarks/planner_scale.py [--quick]
+    python benchmarks/planner_scale.py [--quick] [--out PATH]
 
-Prints a table and writes benchmarks/results/planner_scale.json. The planner must stay under
+Prints a table and writes benchmarks/results/planner_scale.json (or --out) through
+`_common.write_result`; `--quick` plans 1, 64 and 1,024 nodes once each, the full run 1, 8, 64,
+256 and 1,024 nodes, the fastest of three plannings each. The planner must stay under
 one second at 1,024 nodes: identical nodes are laid out once, and beyond a node the search
 enumerates divisors of the world, never permutations of ranks.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
-from _common import run
+from _common import ROOT, parse_args, run, write_result
 
 from orchestrator.config import load_config
 from orchestrator.planning import plan_job
@@ -22,7 +21,6 @@ from orchestrator.planning.describe import describe_cluster
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology, Network
 
-ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = ROOT / "conf" / "topologies" / "h100-8gpu-nvswitch.txt"
 # A Llama-3-70B-sized decoder; 2M tokens per step.
 MODEL = ["model.n_layer=80", "model.n_head=64", "model.n_embd=8192", "model.vocab_size=128256",
@@ -47,9 +45,7 @@ def measure(nodes: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sizes, one repeat")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, argv)
     sizes = [1, 64, 1024] if args.quick else [1, 8, 64, 256, 1024]
     rows = [measure(n, 1 if args.quick else 3) for n in sizes]
     print(f"{'nodes':>6} {'gpus':>6} {'plan s':>8}  {'strategy':<8} {'mesh (pp x rep x shard x tp)':<27} "
@@ -58,10 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         mesh = "x".join(str(v) for v in r["mesh"].values())
         print(f"{r['nodes']:>6} {r['gpus']:>6} {r['seconds']:>8.3f}  {r['strategy']:<8} {mesh:<27} "
               f"{r['step_time_s']:>8.3f}  {r['fits']}")
-    out = ROOT / "benchmarks" / "results" / "planner_scale.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"capture": CAPTURE.name, "model": MODEL, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    out = write_result("planner_scale", {"capture": CAPTURE.name, "model": MODEL, "rows": rows,
+                                         "repeats": 1 if args.quick else 3}, args)
+    print(f"wrote {out}")
     return 0 if rows[-1]["seconds"] < 1.0 else 1
 
 

@@ -98,8 +98,12 @@ def _batch(plan: dict) -> int:
     return plan["micro_batch_size"] * plan["sync"]["grad_accum_steps"] * m["dp_replicate"] * m["dp_shard"]
 
 
+def options(ap) -> None:
+    ap.add_argument("--steps", type=int, default=40, help="training steps per run (quick: 20)")
+
+
 def main(argv=None) -> None:
-    args = parse_args(__doc__, argv, lambda ap: ap.add_argument("--steps", type=int, default=40))
+    args = parse_args(__doc__, argv, options)
     import ray
 
     from orchestrator.topology.files import load_topology_file

@@ -203,6 +203,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median": med, "ratios": ratios, "goals": goals}
 
 
+def options(ap) -> None:
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per launch (30 quick, 120 full)")
+    ap.add_argument("--repeats", type=int, default=None, help="launches of each kind (1 quick, 3 full)")
+
+
 def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--child", choices=("torchrun", "ray_train"))
@@ -211,11 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if known.child:
         return _child(known.child, known.spec)
 
-    def extra(ap):
-        ap.add_argument("--steps", type=int, default=None, help="optimizer steps per launch (30 quick, 120 full)")
-        ap.add_argument("--repeats", type=int, default=None, help="launches of each kind (1 quick, 3 full)")
-
-    args = parse_args(__doc__, rest, extra)
+    args = parse_args(__doc__, rest, options)
     steps = args.steps or (30 if args.quick else 120)
     repeats = args.repeats or (1 if args.quick else 3)
     t0 = time.perf_counter()

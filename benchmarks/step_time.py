@@ -65,11 +65,12 @@ def run_case(name: str, overrides: list[str], steps: int, tmp: Path) -> dict[str
     return {"case": name, "overrides": overrides, "wall_s": time.perf_counter() - t0, **row}
 
 
-def main(argv: list[str] | None = None) -> int:
-    def extra(ap):
-        ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 30, 15 with --quick)")
+def options(ap) -> None:
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 30, 15 with --quick)")
 
-    args = parse_args(__doc__, argv, extra)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__, argv, options)
     steps = args.steps or (15 if args.quick else 30)
     names = QUICK_CASES if args.quick else tuple(CASES)
     with tempfile.TemporaryDirectory(prefix="step-time-") as tmp:

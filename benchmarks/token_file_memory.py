@@ -26,7 +26,7 @@ from _common import ROOT, child_env, parse_args, print_table, run, write_result 
 VOCAB = 4096  # ids of the dense file; small, so the run measures the data path, not a large output layer
 
 
-def _extra(ap) -> None:
+def options(ap) -> None:
     ap.add_argument("--gb", type=float, default=None, help="size of the token file in GiB (default 32, quick 16)")
     ap.add_argument("--dense", action="store_true", help="write real random ids instead of a sparse file")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default 60, quick 20)")
@@ -113,7 +113,7 @@ def _run(size: int, dense: bool, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(__doc__, argv, _extra)
+    args = parse_args(__doc__, argv, options)
     gb = args.gb or (16 if args.quick else 32)
     steps = args.steps or (20 if args.quick else 60)
     size = int(gb * (1 << 30)) // 2 * 2

@@ -56,7 +56,7 @@ SEQUENCES_PER_RANK = 2
 WARMUP_STEPS = 2
 
 
-def _extra(ap) -> None:
+def options(ap) -> None:
     ap.add_argument("--nodes", type=int, default=2, help="Ray nodes, one network namespace each")
     ap.add_argument("--per-node", type=int, default=2, help="CPU-slot workers per node")
     ap.add_argument("--inter-gbit", type=float, default=0.2, help="inter-node link, Gbit/s per direction")
@@ -111,7 +111,7 @@ def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(__doc__, argv, _extra)
+    args = parse_args(__doc__, argv, options)
     from orchestrator.testbed.cluster import ClusterSpec, ShapedCluster
     from orchestrator.testbed.network import NetworkSpec, Shaping
 

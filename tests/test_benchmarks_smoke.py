@@ -23,13 +23,9 @@ import runtime_overhead  # noqa: E402
 import step_time  # noqa: E402
 
 
-def _cost_model_options(ap) -> None:
-    ap.add_argument("--shaped", default=None)
-
-
 def test_write_result_records_machine_command_and_figures(tmp_path, monkeypatch):
     out = tmp_path / "my results" / "x.json"
-    args = _common.parse_args(cost_model.__doc__, ["--quick", "--out", str(out)], _cost_model_options)
+    args = _common.parse_args(cost_model.__doc__, ["--quick", "--out", str(out)], cost_model.options)
     path = _common.write_result("cost_model", {"mean_error": 0.1}, args)
     data = json.loads(path.read_text())
     assert data["command"] == f"python benchmarks/cost_model.py --quick --out '{out}'"
@@ -38,7 +34,7 @@ def test_write_result_records_machine_command_and_figures(tmp_path, monkeypatch)
     # run as a script: the script's name and every option, so a shaped run's result (named apart
     # from its script) says which script and which shapings made it
     monkeypatch.setattr(sys, "argv", [str(BENCH / "cost_model.py"), "--quick", "--shaped", "0.2:0,0.5:0"])
-    args = _common.parse_args(cost_model.__doc__, None, _cost_model_options)
+    args = _common.parse_args(cost_model.__doc__, None, cost_model.options)
     args.out = out
     data = json.loads(_common.write_result("cost_model_shaped", {}, args).read_text())
     assert data["command"] == "python benchmarks/cost_model.py --quick --shaped 0.2:0,0.5:0"
