@@ -239,10 +239,10 @@ def test_checkpoint_cost_measures_both_modes_on_every_checkpoint(tmp_path):
         assert res[mode]["checkpoints"] == 2
         assert res[mode]["checkpoint_step_s"] > 0 and res[mode]["plain_step_s"] > 0
     # both modes left whole, committed checkpoints of the last step
-    from orchestrator.runtime import checkpoint
+    from orchestrator.runtime import checkpoint_files
 
     for mode in ("sync", "async"):
-        assert checkpoint.verify(checkpoint.committed(str(tmp_path / mode))[-1])["step"] == 10
+        assert checkpoint_files.verify(checkpoint_files.committed(str(tmp_path / mode))[-1])["step"] == 10
 
 
 @pytest.mark.parametrize("case", sorted(step_time.CASES))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.errors import CheckpointError
-from orchestrator.runtime import checkpoint
+from orchestrator.runtime import checkpoint, checkpoint_files
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,10 @@ def test_uri_checkpoints_commit_prune_verify_and_load(one_rank):
     root = "memory://ckpt-test/run"
     for step in (1, 2, 3):
         checkpoint.save(root, step, {"w": torch.full((16,), float(step))}, {"world_size": 1}, keep_last=2)
-    committed = checkpoint.committed(root)
+    committed = checkpoint_files.committed(root)
     assert [c.rsplit("/", 1)[-1] for c in committed] == ["step_00000002", "step_00000003"]
     assert all(c.startswith("memory://") for c in committed)
-    meta = checkpoint.verify(committed[-1])
+    meta = checkpoint_files.verify(committed[-1])
     assert meta["step"] == 3 and meta["world_size"] == 1 and meta["files"]
     state = {"w": torch.zeros(16)}
     checkpoint.load(committed[-1], state)
@@ -46,13 +46,13 @@ def test_uncommitted_or_damaged_uri_checkpoint_is_not_taken(one_rank):
     checkpoint.save(root, 2, {"w": torch.ones(8) * 2}, {}, keep_last=3)
     fs = fsspec.filesystem("memory")
     fs.rm("/ckpt-test/torn/step_00000002/meta.json")  # a writer that died before its commit
-    assert [c.rsplit("/", 1)[-1] for c in checkpoint.committed(root)] == ["step_00000001"]
+    assert [c.rsplit("/", 1)[-1] for c in checkpoint_files.committed(root)] == ["step_00000001"]
     with pytest.raises(CheckpointError, match="never committed"):
-        checkpoint.verify(f"{root}/step_00000002")
+        checkpoint_files.verify(f"{root}/step_00000002")
     shard = next(f for f in fs.find("/ckpt-test/torn/step_00000001") if f.endswith(".distcp"))
     fs.pipe(shard, fs.cat(shard)[:-4])  # truncated by a full disk
     with pytest.raises(CheckpointError, match="bytes, expected"):
-        checkpoint.verify(f"{root}/step_00000001")
+        checkpoint_files.verify(f"{root}/step_00000001")
 
 
 def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank, tmp_path):
@@ -68,14 +68,14 @@ def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank
     w.add_(100.0)  # training goes on while the write runs: the checkpoint holds the staged values
     pending.upload.result()
     # killed between staging and commit: the shards are all on disk, meta.json is not
-    assert [c.rsplit("/", 1)[-1] for c in checkpoint.committed(root)] == ["step_00000002"]
+    assert [c.rsplit("/", 1)[-1] for c in checkpoint_files.committed(root)] == ["step_00000002"]
     assert latest_whole_checkpoint(root, Console(quiet=True))[1] == 2
     state = {"w": torch.zeros(64)}
     checkpoint.load(latest_whole_checkpoint(root, Console(quiet=True))[0], state)
     assert torch.equal(state["w"], torch.full((64,), 2.0))
 
     path = pending.commit()
-    assert path.endswith("step_00000004") and checkpoint.verify(path)["step"] == 4
+    assert path.endswith("step_00000004") and checkpoint_files.verify(path)["step"] == 4
     checkpoint.load(path, state)
     assert torch.equal(state["w"], torch.full((64,), 4.0))
     assert not list(tmp_path.glob(".*partial"))
@@ -83,20 +83,20 @@ def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank
 
 def test_hash_shares_cover_every_file_once_keeping_each_writers_shards_together():
     files = {f"__{r}_{i}.distcp": {} for r in range(5) for i in range(2)} | {".metadata": {}}
-    parts = checkpoint.shares({"files": files}, 2)
+    parts = checkpoint_files.shares({"files": files}, 2)
     assert len(parts) == 2 and sorted(n for p in parts for n in p) == sorted(files)
     owners = [{n.split("_")[2] for n in p if n.startswith("__")} for p in parts]
     assert not owners[0] & owners[1]
-    assert checkpoint.shares({"files": files}, 50) and len(checkpoint.shares({"files": files}, 50)) == 5
+    assert checkpoint_files.shares({"files": files}, 50) and len(checkpoint_files.shares({"files": files}, 50)) == 5
 
 
 def test_a_corrupted_file_is_found_by_the_share_that_holds_it(one_rank, tmp_path):
     path = checkpoint.save(str(tmp_path), 1, {"w": torch.ones(32)}, {}, keep_last=1)
-    meta = checkpoint.verify(path)
-    assert all(checkpoint.mismatched(path, names) == [] for names in checkpoint.shares(meta, 2))
+    meta = checkpoint_files.verify(path)
+    assert all(checkpoint_files.mismatched(path, names) == [] for names in checkpoint_files.shares(meta, 2))
     shard = next(tmp_path.glob("step_00000001/*.distcp"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # same size, different bytes: only the hash sees it
     shard.write_bytes(bytes(data))
-    bad = [line for names in checkpoint.shares(meta, 2) for line in checkpoint.mismatched(path, names)]
+    bad = [line for names in checkpoint_files.shares(meta, 2) for line in checkpoint_files.mismatched(path, names)]
     assert bad == [f"checkpoint {path}: file {shard.name} is corrupted (checksum mismatch)"]

@@ -21,7 +21,7 @@ from orchestrator.connect.cluster import connect
 from orchestrator.control.driver import run_job
 from orchestrator.control.rundir import RunDir
 from orchestrator.data.stream import builtin_text
-from orchestrator.runtime import checkpoint
+from orchestrator.runtime import checkpoint, checkpoint_files
 from orchestrator.workloads.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def test_prepare_submit_export_round_trip_loads_in_transformers(trained, corpus,
     assert config["eos_token_id"] == json.loads((corpus / "train.npy.meta.json").read_text())["eos_id"]
 
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=400, block_size=32)
-    ours = _weights(checkpoint.committed(str(trained / "checkpoints"))[-1], cfg)
+    ours = _weights(checkpoint_files.committed(str(trained / "checkpoints"))[-1], cfg)
     x = torch.from_numpy(np.fromfile(corpus / "val.bin", dtype=np.uint16)[:64].astype(np.int64)).view(2, 32)
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
     with torch.no_grad():
@@ -114,7 +114,7 @@ def test_prepare_submit_export_round_trip_loads_in_transformers(trained, corpus,
 
 
 def test_resume_on_a_token_file_is_exact(trained, corpus, tmp_path):
-    ckpts = checkpoint.committed(str(trained / "checkpoints"))
+    ckpts = checkpoint_files.committed(str(trained / "checkpoints"))
     assert [Path(c).name for c in ckpts] == ["step_00000003", "step_00000006"]
     cfg = load_config(JOB, _overrides(corpus, tmp_path))
     run = RunDir.create(tmp_path, cfg.name)
@@ -122,6 +122,6 @@ def test_resume_on_a_token_file_is_exact(trained, corpus, tmp_path):
     first = json.loads((trained / "summary.json").read_text())
     assert summary["final_val_loss"] == pytest.approx(first["final_val_loss"], abs=1e-6)
     gcfg = GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(GPTConfig)})
-    resumed = _weights(checkpoint.committed(str(run.checkpoints))[-1], gcfg).state_dict()
+    resumed = _weights(checkpoint_files.committed(str(run.checkpoints))[-1], gcfg).state_dict()
     for k, v in _weights(ckpts[-1], gcfg).state_dict().items():
         torch.testing.assert_close(resumed[k], v, rtol=0, atol=1e-6, msg=k)

@@ -22,7 +22,7 @@ from orchestrator.connect.cluster import connect
 from orchestrator.control.driver import run_job
 from orchestrator.control.rundir import RunDir
 from orchestrator.errors import CheckpointError
-from orchestrator.runtime import checkpoint
+from orchestrator.runtime import checkpoint, checkpoint_files
 from orchestrator.workloads.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def _run(tmp_path: Path, *overrides: str, resume: str | None = None):
 
 def _final_weights(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     model = GPT(GPTConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(GPTConfig)}))
-    checkpoint.load_model_weights(checkpoint.committed(str(run_dir / "checkpoints"))[-1], model)
+    checkpoint.load_model_weights(checkpoint_files.committed(str(run_dir / "checkpoints"))[-1], model)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -73,7 +73,7 @@ def test_two_worker_run_learns_and_records_everything(cluster, tmp_path):
     assert on_disk["steps"] == 30 and on_disk["wall_s"] > 0 and on_disk["tokens_per_s"] > 0
     assert on_disk["final_val_loss"] < 0.8 * on_disk["first_val_loss"]
     assert summary["restarts"] == []
-    assert [Path(c).name for c in checkpoint.committed(str(run_dir / "checkpoints"))] == ["step_00000030"]
+    assert [Path(c).name for c in checkpoint_files.committed(str(run_dir / "checkpoints"))] == ["step_00000030"]
 
 
 @pytest.mark.slow
@@ -176,7 +176,7 @@ def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, t
     first_dir, _, cfg = _run(tmp_path, "train.max_steps=6", "train.eval_interval=3", "checkpoint.interval=3",
                              "cluster.num_workers=2")
     before = sorted(p.name for p in (first_dir / "checkpoints").iterdir())
-    ckpt = checkpoint.committed(str(first_dir / "checkpoints"))[-1]
+    ckpt = checkpoint_files.committed(str(first_dir / "checkpoints"))[-1]
     run_dir, summary, _ = _run(tmp_path, "train.max_steps=9", "train.eval_interval=3", "cluster.num_workers=1",
                                resume=ckpt)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -194,14 +194,14 @@ def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, t
 @pytest.mark.slow
 def test_corrupted_latest_checkpoint_is_refused_by_name_and_the_previous_used(cluster, tmp_path):
     run_dir, _, _ = _run(tmp_path, "train.max_steps=4", "train.eval_interval=2", "checkpoint.interval=2")
-    ckpts = checkpoint.committed(str(run_dir / "checkpoints"))
+    ckpts = checkpoint_files.committed(str(run_dir / "checkpoints"))
     assert [Path(c).name for c in ckpts] == ["step_00000002", "step_00000004"]
     shard = sorted(Path(ckpts[-1]).glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"{shard.name} is corrupted"):
-        checkpoint.verify(ckpts[-1])
+        checkpoint_files.verify(ckpts[-1])
     from orchestrator.commands.submit import resume_checkpoint
 
     assert resume_checkpoint(str(run_dir)) == ckpts[0]
@@ -215,7 +215,7 @@ root, kill = sys.argv[1], sys.argv[2] == "kill"
 checkpoint.save(root, 1, {"w": torch.ones(1000)}, {}, keep_last=5)
 if kill:
     # die after the shards are written, before the commit
-    checkpoint._manifest = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    checkpoint.manifest = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.save(root, 2, {"w": torch.full((1000,), 2.0)}, {}, keep_last=5)
 """
 
@@ -230,9 +230,9 @@ def test_kill_during_checkpoint_write_leaves_the_previous_one_loadable(tmp_path)
     proc = subprocess.run([sys.executable, "-c", _WRITER % port, str(tmp_path), "kill"], capture_output=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    assert [Path(c).name for c in checkpoint.committed(str(tmp_path))] == ["step_00000001"]
+    assert [Path(c).name for c in checkpoint_files.committed(str(tmp_path))] == ["step_00000001"]
     assert (tmp_path / ".step_00000002.partial").is_dir()  # the torn write is there, and ignored
-    meta = checkpoint.verify(str(tmp_path / "step_00000001"))
+    meta = checkpoint_files.verify(str(tmp_path / "step_00000001"))
     assert meta["step"] == 1
     import torch.distributed.checkpoint as dcp
 

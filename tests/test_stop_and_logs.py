@@ -74,15 +74,15 @@ def test_sigterm_mid_run_and_worker_warnings(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped"] is True and summary["signal"] == "SIGTERM"
     assert 2 <= summary["steps"] < 500
-    from orchestrator.runtime import checkpoint
+    from orchestrator.runtime import checkpoint_files
 
     # Every whole checkpoint left on disk, newest last; steps may have passed step 2 before the
     # signal landed, and keep_last=2 then pruned it.
-    committed = checkpoint.committed(str(run_dir / "checkpoints"))
+    committed = checkpoint_files.committed(str(run_dir / "checkpoints"))
     assert summary["checkpoints"] == committed and 1 <= len(committed) <= 2
-    assert 2 <= checkpoint.step_of(committed[-1]) <= summary["steps"]
+    assert 2 <= checkpoint_files.step_of(committed[-1]) <= summary["steps"]
     for path in summary["checkpoints"]:
-        checkpoint.verify(path)  # every checkpoint it names is whole
+        checkpoint_files.verify(path)  # every checkpoint it names is whole
     assert "stopped by SIGTERM at step" in out and f"--resume {run_dir}" in out
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:

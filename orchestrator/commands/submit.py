@@ -89,7 +89,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     resume = resume_checkpoint(resume_dir) if resume_dir else None
     if resume:
         from ..errors import ConfigError
-        from ..runtime.checkpoint import read_meta
+        from ..runtime.checkpoint_files import read_meta
 
         step = int(read_meta(resume)["step"])
         if step >= cfg.train.max_steps:

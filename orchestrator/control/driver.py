@@ -196,9 +196,9 @@ def _after_failure(f: WorkerFailure, cfg: JobConfig, console: Console, state: Ru
     resumed from, else step 0), or RunFailed once train.max_failures restarts are used up."""
     found = latest_whole_checkpoint(ckpt_dir, console)
     if found is None and resume_from:
-        from ..runtime import checkpoint
+        from ..runtime import checkpoint_files
 
-        found = (resume_from, int(checkpoint.verify(resume_from)["step"]))
+        found = (resume_from, int(checkpoint_files.verify(resume_from)["step"]))
     resume, resume_step = found if found else (None, 0)
     state.restarts.append(f.restart_record(state.last_step, resume_step))
     record_restart(cfg.name)

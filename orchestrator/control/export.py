@@ -192,11 +192,11 @@ def run_config(run_dir: Path) -> tuple[GPTConfig, dict[str, Any], str]:
 def latest_checkpoint(root: str) -> str:
     """The newest checkpoint under `root` that verifies (size and SHA-256 of every file)."""
     from ..errors import CheckpointError
-    from ..runtime import checkpoint
+    from ..runtime import checkpoint_files
 
-    for path in reversed(checkpoint.committed(root)):
+    for path in reversed(checkpoint_files.committed(root)):
         try:
-            checkpoint.verify(path)
+            checkpoint_files.verify(path)
             return path
         except CheckpointError:
             continue

@@ -30,18 +30,18 @@ def _rows(run: RunDir) -> list[dict[str, Any]]:
 def stopped_summary(cfg: JobConfig, run: RunDir, signal_name: str, wall_s: float,
                     resumed_from: str | None = None) -> dict[str, Any]:
     """The outcome of a stopped run: how far it got and which whole checkpoints it left."""
-    from ..runtime import checkpoint
+    from ..runtime import checkpoint_files
 
     rows = _rows(run)
     vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
     try:
-        checkpoints = checkpoint.committed(ckpt_dir)
+        checkpoints = checkpoint_files.committed(ckpt_dir)
     except Exception:  # storage unreachable: the summary still says the run stopped
         checkpoints = []
     # A committed checkpoint proves its step finished even when the signal came before the
     # driver wrote that step's metrics line.
-    saved = [s for s in map(checkpoint.step_of, checkpoints) if s is not None]
+    saved = [s for s in map(checkpoint_files.step_of, checkpoints) if s is not None]
     summary = {
         "job": cfg.name,
         "stopped": True,

@@ -14,12 +14,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..errors import CheckpointError
-from ..runtime import checkpoint
+from ..runtime import checkpoint_files
 
 
 @ray.remote(num_cpus=0)
 def _mismatched(path: str, names: list[str]) -> list[str]:
-    return checkpoint.mismatched(path, names)
+    return checkpoint_files.mismatched(path, names)
 
 
 def _alive_nodes() -> list[str]:
@@ -30,13 +30,13 @@ def verify_parallel(path: str) -> dict:
     """meta.json of the committed checkpoint at `path` when every file is present with its
     size and SHA-256, else CheckpointError naming the first bad file. Without a Ray
     connection, the hashes are checked here."""
-    meta = checkpoint.verify(path, hashes=False)
+    meta = checkpoint_files.verify(path, hashes=False)
     if not ray.is_initialized():
-        return checkpoint.verify(path)
+        return checkpoint_files.verify(path)
     nodes = _alive_nodes()
     refs = [
         _mismatched.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(path, names)
-        for node, names in zip(nodes, checkpoint.shares(meta, len(nodes)))
+        for node, names in zip(nodes, checkpoint_files.shares(meta, len(nodes)))
     ]
     bad = [line for part in ray.get(refs) for line in part]
     if bad:
@@ -47,7 +47,7 @@ def verify_parallel(path: str) -> dict:
 def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | None:
     """The newest checkpoint under `root` that verifies (hashed in parallel across the nodes),
     with its step; damaged ones are named and skipped."""
-    for path in reversed(checkpoint.committed(root)):
+    for path in reversed(checkpoint_files.committed(root)):
         try:
             meta = verify_parallel(path)
         except CheckpointError as e:

@@ -109,11 +109,11 @@ class Trainer:
     def load_checkpoint(self, path: str) -> int:
         """Load model and optimizer from a committed checkpoint (any world size or strategy DCP
         can reshard between); returns the step to continue from."""
-        from . import checkpoint
+        from . import checkpoint, checkpoint_files
 
         # Sizes only: the driver hashed every file before it chose this checkpoint, and a full
         # read on every rank would multiply the I/O by the world size.
-        meta = checkpoint.verify(path, hashes=False)
+        meta = checkpoint_files.verify(path, hashes=False)
         state = self.par.state_dict()
         checkpoint.load(path, state)
         self.par.load_state_dict(state)
