@@ -24,6 +24,7 @@ from ..errors import PlanError, RunFailed
 from ..planning import Plan, plan_job
 from ..planning.cluster_view import plannable
 from ..planning.model_spec import ModelSpec
+from ..runtime import checkpoint_files
 from ..runtime.metrics import record_restart
 from ..topology.model import ClusterTopology
 from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
@@ -196,8 +197,6 @@ def _after_failure(f: WorkerFailure, cfg: JobConfig, console: Console, state: Ru
     resumed from, else step 0), or RunFailed once train.max_failures restarts are used up."""
     found = latest_whole_checkpoint(ckpt_dir, console)
     if found is None and resume_from:
-        from ..runtime import checkpoint_files
-
         found = (resume_from, int(checkpoint_files.verify(resume_from)["step"]))
     resume, resume_step = found if found else (None, 0)
     state.restarts.append(f.restart_record(state.last_step, resume_step))

@@ -194,13 +194,10 @@ def latest_checkpoint(root: str) -> str:
     from ..errors import CheckpointError
     from ..runtime import checkpoint_files
 
-    for path in reversed(checkpoint_files.committed(root)):
-        try:
-            checkpoint_files.verify(path)
-            return path
-        except CheckpointError:
-            continue
-    raise CheckpointError(f"no whole checkpoint under {root}")
+    found = checkpoint_files.newest_whole(root)
+    if found is None:
+        raise CheckpointError(f"no whole checkpoint under {root}")
+    return found[0]
 
 
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_path: str | None = None) -> Path:

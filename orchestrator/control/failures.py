@@ -19,6 +19,12 @@ def now(t: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
 
 
+def _steps(failed_at_step: int, resumed_from_step: int) -> dict[str, int]:
+    """Where a restart left off and resumed, and the steps it trains again."""
+    return {"failed_at_step": failed_at_step, "resumed_from_step": resumed_from_step,
+            "steps_lost": max(0, failed_at_step - resumed_from_step)}
+
+
 class WorkerFailure(Exception):
     """A worker actor died or a rank raised while training."""
 
@@ -42,9 +48,7 @@ class WorkerFailure(Exception):
             "ranks": self.ranks,
             "nodes": self.nodes,
             **({"stacks": self.stacks} if self.stacks else {}),
-            "failed_at_step": failed_at_step,
-            "resumed_from_step": resumed_from_step,
-            "steps_lost": max(0, failed_at_step - resumed_from_step),
+            **_steps(failed_at_step, resumed_from_step),
         }
 
 
@@ -58,8 +62,7 @@ class Regrow(Exception):
 
     def restart_record(self, failed_at_step: int, resumed_from_step: int) -> dict[str, Any]:
         return {"time": now(), "reason": self.reason, "ranks": [], "nodes": [], "grow": True,
-                "failed_at_step": failed_at_step, "resumed_from_step": resumed_from_step,
-                "steps_lost": max(0, failed_at_step - resumed_from_step)}
+                **_steps(failed_at_step, resumed_from_step)}
 
 
 def _nodes_of(placement, ranks: list[int]) -> list[str]:

@@ -47,11 +47,6 @@ def verify_parallel(path: str) -> dict:
 def latest_whole_checkpoint(root: str, console: Console) -> tuple[str, int] | None:
     """The newest checkpoint under `root` that verifies (hashed in parallel across the nodes),
     with its step; damaged ones are named and skipped."""
-    for path in reversed(checkpoint_files.committed(root)):
-        try:
-            meta = verify_parallel(path)
-        except CheckpointError as e:
-            console.print(f"[yellow]warning:[/] {escape(str(e))}; trying the previous checkpoint")
-            continue
-        return path, int(meta["step"])
-    return None
+    found = checkpoint_files.newest_whole(root, verify_parallel, lambda e: console.print(
+        f"[yellow]warning:[/] {escape(str(e))}; trying the previous checkpoint"))
+    return (found[0], int(found[1]["step"])) if found else None

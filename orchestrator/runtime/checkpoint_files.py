@@ -132,6 +132,19 @@ def shares(meta: dict[str, Any], parts: int) -> list[list[str]]:
     return [x for x in out if x]
 
 
+def newest_whole(root: str, check=verify, damaged=None) -> tuple[str, dict[str, Any]] | None:
+    """The newest committed checkpoint under `root` that `check` (a path -> meta.json function
+    raising CheckpointError) accepts, with its meta.json; each refused one is handed to
+    `damaged(error)` and the previous tried. None when none is whole."""
+    for path in reversed(committed(root)):
+        try:
+            return path, check(path)
+        except CheckpointError as e:
+            if damaged is not None:
+                damaged(e)
+    return None
+
+
 def read_meta(path: str) -> dict[str, Any]:
     fs, p = filesystem(path)
     with fs.open(f"{p}/{META}", "r") as f:
