@@ -84,14 +84,15 @@ def _submit(cluster, env: dict[str, str], runs: Path, overrides: list[str]) -> d
     steps = [r["step_s"] for r in rows if r.get("step_s") is not None][WARMUP_STEPS:]
     return {"run_dir": str(run), "strategy": plan["strategy"], "mesh": plan["mesh"],
             "sync": plan.get("sync", {}).get("algorithm"), "micro_batch_size": plan.get("micro_batch_size"),
-            "recompute": plan.get("recompute"), "predicted_step_s": plan["step_time"]["total_s"], "steps": steps}
+            "recompute": plan.get("recompute"), "pipeline": plan.get("pipeline"),
+            "predicted_step_s": plan["step_time"]["total_s"], "steps": steps}
 
 
 def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]) -> dict[str, Any]:
     """The planner's step time of a run's plan on the measured cluster: the plan's own strategy,
     mesh, micro-batch, recomputation and all-reduce schedule, priced by `cost.estimate` on the
     topology the probe measured (how `placement_gain.py` prices its equal-links plan)."""
-    from orchestrator.choices import Recompute, Strategy, SyncAlgorithm
+    from orchestrator.choices import PipelineSchedule, Recompute, Strategy, SyncAlgorithm
     from orchestrator.config import load_config
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
@@ -101,10 +102,14 @@ def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]
 
     topo = ClusterTopology.from_dict(topology)
     ctx = job_context(load_config(str(JOB), overrides), topo)
-    m = run["mesh"]
-    mesh = Mesh(int(m["dp_replicate"]), int(m["dp_shard"]), int(m["tp"]))
+    # The whole mesh, pp included: a pipeline's mesh without its pp axis covers a fraction of
+    # the cluster, which cluster_layout refuses.
+    mesh = Mesh.from_dict(run["mesh"])
+    pl = run.get("pipeline") or {}
     choice = Choice(Strategy(run["strategy"]), mesh, int(run["micro_batch_size"]), Recompute(run["recompute"]),
-                    algorithm=SyncAlgorithm(run["sync"]))
+                    algorithm=SyncAlgorithm(run["sync"]),
+                    pp_schedule=PipelineSchedule(pl.get("schedule", PipelineSchedule.one_f_one_b)),
+                    virtual=int(pl.get("virtual", 1)))
     e = estimate(ctx, cluster_layout(Wirings.of(topo), mesh), choice)
     return {"step_s": e.total_s, "compute_s": e.compute_s, "comm_s": e.comm_s, "comm_parts": e.comm_parts,
             "schedule": e.schedule}

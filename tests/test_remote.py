@@ -1,9 +1,10 @@
 """A real two-node Ray cluster (separate `ray start` processes) driven through the Jobs API.
 
-The head and the worker are each started with `ray start --block` in their own process group,
-temp dir and ports, with fake GPUs and a declared topology, and with token authentication on
-and their own token: nothing here touches another Ray cluster on the machine, and teardown
-ends exactly the processes these nodes started.
+The head and the workers are each started with `ray start --block` in their own process group
+and ports, with fake GPUs and a declared topology, and with token authentication on and their
+own token. The GPU nodes join with no temp dir of their own, so they share the head's session
+directory, as nodes started on one host do. Nothing here touches another Ray cluster on the
+machine, and teardown ends exactly the processes these nodes started.
 """
 
 from __future__ import annotations
@@ -86,11 +87,13 @@ class TwoNodeCluster:
         return out
 
 
-def _start_node(args: list[str], env: dict[str, str], temp_dir: Path, metrics_port: int, name: str) -> Node:
+def _start_node(args: list[str], env: dict[str, str], temp_dir: Path, metrics_port: int, name: str,
+                head: bool = False) -> Node:
+    """A node whose processes run under `temp_dir`: the head's own, which joining nodes share."""
     log = temp_dir.with_suffix(f".{name}.log")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [_ray(), "start", "--block", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+            [_ray(), "start", "--block", "--disable-usage-stats", *([f"--temp-dir={temp_dir}"] if head else []),
              f"--metrics-export-port={metrics_port}", *args],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
         )
@@ -145,12 +148,10 @@ def cluster():
         # Export application metrics every second instead of every ten, so a scrape sees them.
         RAY_metrics_report_interval_ms="1000",
         ORCHESTRATOR_TOPOLOGY_FILE=str(TOPOLOGY),
-        PYTHONPATH=str(ROOT),
     )
     (gcs_port, dash_port, client_port, head_metrics, h_agent, h_agent_grpc, h_rtenv) = _free_ports(7)
     # Short paths: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
     head_tmp = Path(tempfile.mkdtemp(prefix="orxh-", dir="/tmp"))
-    worker_tmps = [Path(tempfile.mkdtemp(prefix=f"orxw{i}-", dir="/tmp")) for i in range(2)]
     # The drivers' home: a relative monitor.runs_dir of a remote submit lands under it.
     home = Path(tempfile.mkdtemp(prefix="orx-head-home-"))
     env["HOME"] = str(home)
@@ -163,16 +164,16 @@ def cluster():
              f"--dashboard-port={dash_port}", f"--ray-client-server-port={client_port}",
              f"--dashboard-agent-listen-port={h_agent}", f"--dashboard-agent-grpc-port={h_agent_grpc}",
              f"--runtime-env-agent-port={h_rtenv}", "--num-gpus=0", "--num-cpus=2"],
-            env, head_tmp, head_metrics, "head"))
+            env, head_tmp, head_metrics, "head", head=True))
         _wait(lambda: len(c.node_ids()) == 1, 60, "the head node and its dashboard")
         # The head has no GPU, as in every recipe of deploy/: the GPU nodes join it.
-        for i, tmp in enumerate(worker_tmps):
+        for i in range(2):
             metrics, agent, agent_grpc, rtenv = _free_ports(4)
             c.nodes.append(_start_node(
                 [f"--address={c.gcs}", "--node-ip-address=127.0.0.1",
                  f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
                  f"--runtime-env-agent-port={rtenv}", *gpu_args],
-                env, tmp, metrics, f"worker{i}"))
+                env, head_tmp, metrics, f"worker{i}"))
             # One at a time: two raylets starting at once can overload a small machine's GCS.
             _wait(lambda n=2 + i: len(c.node_ids()) == n, 90, f"GPU node {i} to join")
         yield c
@@ -183,10 +184,9 @@ def cluster():
     finally:
         for n in reversed(c.nodes):
             _stop_node(n)
-        for d in (head_tmp, *worker_tmps):
-            shutil.rmtree(d, ignore_errors=True)
-            for log in d.parent.glob(d.name + ".*.log"):
-                log.unlink()
+        shutil.rmtree(head_tmp, ignore_errors=True)
+        for log in head_tmp.parent.glob(head_tmp.name + ".*.log"):
+            log.unlink()
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -325,7 +325,8 @@ def test_status_and_logs_of_unknown_job(authed):
 
 
 def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
-    """The whole path: ship the project, run `submit` on the head, train on 2 nodes, follow to the end."""
+    """The whole path: ship the project, run `submit` on the head, train on 2 nodes, follow to the
+    end; then submit the unchanged project again."""
     from orchestrator.connect.remote import job_logs, job_status, run_directory, submit_remote
 
     c = authed
@@ -383,6 +384,14 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     where = {p["rank"]: (p["node_id"], p["gpu"]) for p in placement}
     for group in plan["groups"]["tp"]:  # TP pairs on the PCIe-switch pairs, as planned
         assert len({where[r][0] for r in group}) == 1 and {where[r][1] for r in group} in ({0, 1}, {2, 3})
+
+    # The same project again, unchanged since: the package is already on the cluster.
+    again, _ = submit_remote(c.dashboard, str(job), [*overrides, "train.max_steps=2", "train.eval_interval=2"])
+    seen = list(job_logs(c.dashboard, again, follow=True))
+    assert job_status(c.dashboard, again)[0].status == "SUCCEEDED", "".join(seen)[-3000:]
+    # Each driver ran from its own snapshot of the shipped files and removed it at exit.
+    unpacked = c.nodes[0].temp_dir / "session_latest" / "runtime_resources" / "working_dir_files"
+    assert list(unpacked.glob("_ray_pkg_*")) and not list(unpacked.glob("*.driver-*"))
 
 
 def test_entrypoint_joins_the_cluster_it_runs_on():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -61,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     from ..config import load_config
+    from ..connect.job_driver import run_from_snapshot
     from ..control.signals import stop_on_sigterm
 
+    # A driver that `submit --address` started goes on from its own copy of the shipped files.
+    run_from_snapshot(sys.argv[1:])
     stop_on_sigterm()
     cfg = load_config(args.job, args.overrides)
     submit_job(cfg, args.resume, job=args.job, verbose=args.verbose)

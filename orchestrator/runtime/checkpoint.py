@@ -20,10 +20,12 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from ..errors import CheckpointError
 from .checkpoint_files import META, filesystem, is_local, manifest, prune, step_dir_name, url_of, verify
+from .state_names import canonical, restore_names, tied_aliases
 
 
 def _prepare(root: str, step: int) -> tuple[Any, str, str, str]:
@@ -122,16 +124,27 @@ def load(path: str, state: dict[str, Any]) -> None:
     """Fill `state` in place from the checkpoint at `path` (DCP reshards to this run's layout)."""
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {str(e).splitlines()[0]}") from e
+    except (Exception, CheckpointException) as e:  # DCP's collective failure is a BaseException
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this run: {_first_cause(e)}") from e
+
+
+def _first_cause(e: BaseException) -> str:
+    """The first line of what went wrong: for DCP's collective failure, the lowest rank's own error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = e.failures[min(e.failures)]
+        if isinstance(e, tuple):  # (exception, traceback) where torch keeps both
+            e = e[0]
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def load_model_weights(path: str, model) -> None:
     """Load the model part of a checkpoint into a plain (unwrapped) module, with no process
     group: for evaluation, export, and checking runs against each other."""
     verify(path)
-    sd = model.state_dict()
+    aliases = tied_aliases(model)
+    local = {"model": model.state_dict()}
+    wanted = canonical(local, aliases)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
-        dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
-    model.load_state_dict(sd)
+        dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(restore_names(local, wanted, aliases)["model"])

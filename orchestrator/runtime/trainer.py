@@ -30,6 +30,7 @@ from ..workloads.models import build_model, logits_of
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .pipeline import Pipelined, build_pipeline
 from .schedule import lr_at
+from .state_names import canonical, restore_names, tied_aliases
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
@@ -79,6 +80,8 @@ class Trainer:
         m = cfg.model
         # The job's factory (or the Python API's callable); the same seed gives every rank one init.
         model = build_model(m, model_fn)
+        # Checkpoints name a tied parameter once, whichever stage or wrapper holds it.
+        self.aliases = tied_aliases(model)
         self.num_params = sum(p.numel() for p in model.parameters())
         t = cfg.train
 
@@ -114,10 +117,20 @@ class Trainer:
         # Sizes only: the driver hashed every file before it chose this checkpoint, and a full
         # read on every rank would multiply the I/O by the world size.
         meta = checkpoint_files.verify(path, hashes=False)
-        state = self.par.state_dict()
-        checkpoint.load(path, state)
-        self.par.load_state_dict(state)
+        local = self.par.state_dict()
+        wanted = canonical(local, self.aliases)
+        checkpoint.load(path, wanted)
+        self.par.load_state_dict(restore_names(local, wanted, self.aliases))
         return int(meta["step"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's model and optimizer state as a checkpoint holds it: the whole model's
+        canonical names, sharded tensors, the same keys under every plan (`dcp.save` it)."""
+        return canonical(self.par.state_dict(), self.aliases)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What meta.json records of the plan that wrote a checkpoint (any plan can read it)."""
+        return {"world_size": self.world, "strategy": str(self.plan.strategy), "mesh": self.plan.mesh.to_dict()}
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -149,10 +162,13 @@ class Trainer:
 
     def calibrate_compute(self, repeats: int = 3) -> float | None:
         """Seconds of one micro-step's forward and backward with gradient sync off: the
-        compute-only baseline that exposed communication is measured against. Gradients are
-        dropped afterwards, so training is unchanged. (Sharded strategies still all-gather
-        parameters inside it, so their figure counts gradient communication only.) None under
-        a pipeline, whose stages cannot run a micro-batch apart from the schedule."""
+        compute-only baseline that exposed communication is measured against. The loss is
+        scaled by zero, so the backward passes cost what real ones do and leave only zero
+        gradients behind: FSDP2 keeps what a backward without sync accumulates in its own
+        unsharded buffers, out of the optimizer's reach, and adds it to the next synced step's
+        gradient. (Sharded strategies still all-gather parameters inside it, so their figure
+        counts gradient communication only.) None under a pipeline, whose stages cannot run a
+        micro-batch apart from the schedule."""
         if self.pipelined:
             return None
         x, y = self.data.train_batch(0, self.cfg.train.global_batch_size, self.dp_rank, self.dp_world)
@@ -165,13 +181,19 @@ class Trainer:
             t0 = time.perf_counter()
             with self.par.no_sync():
                 with self._autocast():
-                    loss = self._loss(model, x, y)
+                    loss = self._loss(model, x, y) * 0.0
                 loss.backward()
             self._sync()
             times.append(time.perf_counter() - t0)
         self.par.optimizer.zero_grad(set_to_none=True)
         self.compute_micro_s = sorted(times[1:])[len(times[1:]) // 2]
         return self.compute_micro_s
+
+    def start(self, resume_from: str | None = None) -> int:
+        """Ready the rank to train, as every launcher does: calibrate the compute-only step
+        time, then load `resume_from` if given. Returns the step to train from."""
+        self.calibrate_compute()
+        return self.load_checkpoint(resume_from) if resume_from else 0
 
     def _global_mean(self, value: torch.Tensor) -> float:
         # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so

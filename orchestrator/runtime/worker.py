@@ -172,10 +172,7 @@ class Worker:
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
         self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
-        self.trainer.calibrate_compute()
-        start = 0
-        if resume_from:
-            start = self.trainer.load_checkpoint(resume_from)
+        start = self.trainer.start(resume_from)
         return {"num_params": self.trainer.num_params, "notes": notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
                 "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
@@ -215,12 +212,12 @@ class Worker:
                 times = []
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
-                meta = {"world_size": self.world, "strategy": str(tr.plan.strategy), "mesh": tr.plan.mesh.to_dict()}
+                meta = tr.checkpoint_meta()
                 if self.writer_group is not None and not final:
-                    pending = checkpoint.save_async(checkpoint_dir, done, tr.par.state_dict(), meta,
+                    pending = checkpoint.save_async(checkpoint_dir, done, tr.state_dict(), meta,
                                                     cfg.checkpoint.keep_last, self.writer_group)
                 else:  # the last one: nothing left to overlap it with
-                    path = checkpoint.save(checkpoint_dir, done, tr.par.state_dict(), meta, cfg.checkpoint.keep_last)
+                    path = checkpoint.save(checkpoint_dir, done, tr.state_dict(), meta, cfg.checkpoint.keep_last)
                     self._committed(path, done, sink)
         if pending is not None:  # end < max_steps: the run stops here, its last checkpoint still counts
             self._committed(pending.commit(), pending.step, sink)
