@@ -82,10 +82,14 @@ def _submit(cluster, env: dict[str, str], runs: Path, overrides: list[str]) -> d
     plan = json.loads((run / "plan.json").read_text())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step_s"] for r in rows if r.get("step_s") is not None][WARMUP_STEPS:]
-    return {"run_dir": str(run), "strategy": plan["strategy"], "mesh": plan["mesh"],
-            "sync": plan.get("sync", {}).get("algorithm"), "micro_batch_size": plan.get("micro_batch_size"),
-            "recompute": plan.get("recompute"), "pipeline": plan.get("pipeline"),
-            "predicted_step_s": plan["step_time"]["total_s"], "steps": steps}
+    return {"run_dir": str(run), **plan_summary(plan), "steps": steps}
+
+
+def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
+    """What a run's plan.json says it ran and predicted: enough for `price_on` to price it again."""
+    return {"strategy": plan["strategy"], "mesh": plan["mesh"], "sync": plan.get("sync", {}).get("algorithm"),
+            "micro_batch_size": plan.get("micro_batch_size"), "recompute": plan.get("recompute"),
+            "pipeline": plan.get("pipeline"), "predicted_step_s": plan["step_time"]["total_s"]}
 
 
 def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]) -> dict[str, Any]:

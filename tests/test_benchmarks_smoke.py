@@ -21,6 +21,7 @@ import memory_model  # noqa: E402
 import placement_gain  # noqa: E402
 import runtime_overhead  # noqa: E402
 import step_time  # noqa: E402
+import topology_gain  # noqa: E402
 
 
 def test_write_result_records_machine_command_and_figures(tmp_path, monkeypatch):
@@ -262,3 +263,20 @@ def test_step_time_reads_predicted_and_measured_from_the_run_directory(tmp_path)
     row = step_time.read_run(tmp_path)
     assert row["predicted_step_s"] == 0.12 and row["measured_step_s"] == 0.1
     assert row["error"] == pytest.approx(0.2) and row["params"] == 1000
+
+
+def test_topology_gain_prices_a_pipeline_plan_again_as_the_planner_did():
+    # The measured cluster re-prices each run's own plan; a pipeline's mesh keeps its pp axis
+    # (without it, the mesh covered half the cluster and cluster_layout refused it).
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+    from orchestrator.topology.model import ClusterTopology, Network, cpu_node
+
+    topo = ClusterTopology(nodes=[cpu_node(2, hostname=f"n{i}") for i in range(2)],
+                           network=Network(bandwidth_gbps=0.02, latency_us=500.0))
+    overrides = [*topology_gain.MODEL, "train.global_batch_size=8", "cluster.num_workers=2", "parallel.pp=2",
+                 "parallel.pp_schedule=1f1b"]
+    plan = plan_job(load_config(str(topology_gain.JOB), overrides), topo).to_dict()
+    assert plan["mesh"]["pp"] == 2
+    priced = topology_gain.price_on(topo.to_dict(), overrides, topology_gain.plan_summary(plan))
+    assert priced["step_s"] == pytest.approx(plan["step_time"]["total_s"], rel=1e-9)

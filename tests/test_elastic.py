@@ -78,3 +78,15 @@ def test_a_step_sees_the_same_sequences_whatever_the_data_parallel_size(dp):
         parts = [data.train_batch(step, 18, r, dp) for r in range(dp)]
         assert torch.equal(torch.cat([p[0] for p in parts]), ref_x)
         assert torch.equal(torch.cat([p[1] for p in parts]), ref_y)
+
+
+def test_a_cause_no_world_size_changes_is_stated_alone():
+    # GPUs the planner cannot name: every smaller world fails the same way, so the sub-world
+    # search adds nothing to the one line.
+    unnamed = describe_cluster(load_topology_file(CAPTURE, None), 2, Network(bandwidth_gbps=25.0, latency_us=10.0),
+                               None)
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", ["model.n_layer=1"])
+    with pytest.raises(PlanError) as e:
+        plan_keeping_batch(cfg, unnamed)
+    assert str(e.value).startswith("GPU (unnamed)") and "set cluster.gpu" in str(e.value)
+    assert "sub-world" not in str(e.value) and "elastic.min_workers" not in str(e.value) and "\n" not in str(e.value)

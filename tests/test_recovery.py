@@ -1,7 +1,9 @@
 """Recovery on a fake-GPU Ray cluster with a GPU-less head and three 2-GPU nodes, in one run:
 kill -9 of one rank blames only that rank; SIGSTOP of another is detected as a hang, every
 rank's stacks are saved and the group restarts; losing a node with a global batch the survivors
-do not divide re-plans onto fewer ranks and every step still covers the whole batch."""
+do not divide re-plans them into a pipeline that loads the checkpoint written without one, every
+step still covering the whole batch; the node back, the world grows to a plan without a pipeline
+again, loading the pipeline's checkpoint."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from orchestrator.topology.model import ClusterTopology
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = ROOT / "tests" / "fixtures" / "topology" / "topo_4gpu_pcie_pxb_pix_nccl667.txt"
 TINY = [
-    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
     "train.global_batch_size=18", "train.warmup_steps=1", "train.eval_iters=1",
     "cluster.gpu=A100", "cluster.cpus_per_worker=0.25", "parallel.strategy=ddp", "parallel.tp=1",
     "monitor.progress=false", "monitor.dashboard=false",
@@ -121,7 +123,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
         events["removed"] = node.node_id
         events["removed_ranks"] = [p["rank"] for p in _placement(r) if p["node_id"] == node.node_id]
         gpu_less_head.remove_node(node, allow_graceful=False)
-        r = wait_for(lambda r: len(_placement(r)) == 2)
+        r = wait_for(lambda r: len(_placement(r)) == 4)
         events["shrunk_plan"] = json.loads((r / "plan.json").read_text())
         gpu_less_head.add_node(num_cpus=2, num_gpus=2, env_vars=gpu_less_head.env)
         t.join(timeout=600)
@@ -148,20 +150,24 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     assert "no answer" in stacks[2].read_text()
     assert "train" in stacks[0].read_text()  # a live rank's stack shows where it waits
 
-    # a node lost: 4 survivors do not divide 18, so 2 of them run, with the whole batch per step
+    # a node lost: 4 survivors do not divide 18 as data-parallel ranks, so they run as a pipeline
+    # of 2 stages x 2 data-parallel ranks with the whole batch per step, from the checkpoint the
+    # 6 ranks wrote without a pipeline (its tied embedding and head split between the stages)
     assert lost["reason"].startswith("worker died") and lost["ranks"] == events["removed_ranks"], lost
     assert lost["nodes"] == [events["removed"]]
     plan = events["shrunk_plan"]
-    assert plan["world_size"] == 2
-    assert plan["micro_batch_size"] * plan["sync"]["grad_accum_steps"] * plan["world_size"] == 18
-    assert any("2 of 4 devices used" in line for line in plan["explanation"])
+    assert plan["world_size"] == 4 and plan["mesh"]["pp"] == 2
+    dp = plan["mesh"]["dp_replicate"] * plan["mesh"]["dp_shard"]
+    assert plan["micro_batch_size"] * plan["sync"]["grad_accum_steps"] * dp == 18
     head = ray.get_runtime_context().get_node_id()
     assert head not in {r["node"] for r in plan["ranks"]}  # the GPU-less head is left out of the plan
     assert head in {x["node"] for x in plan["left_out"]}  # and named
 
-    # a node back: at the next checkpoint the world grows to all 6 GPUs again, not as a failure
+    # a node back: at the next checkpoint the world grows to all 6 GPUs again, not as a failure,
+    # without a pipeline, from the pipeline's checkpoint
     assert grow["reason"].startswith("grow") and grow["ranks"] == [] and grow["steps_lost"] <= 4, grow
     assert summary["world_size"] == 6
+    assert json.loads((run.path / "plan.json").read_text())["mesh"]["pp"] == 1
     rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 121))
     assert summary["steps"] == 120

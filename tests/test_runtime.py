@@ -41,10 +41,10 @@ def cluster():
         yield
 
 
-def _run(tmp_path: Path, *overrides: str, resume: str | None = None):
+def _run(tmp_path: Path, *overrides: str, resume: str | None = None, console: Console | None = None):
     cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, f"monitor.runs_dir={tmp_path}", *overrides])
     run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
-    summary = run_job(cfg, run, Console(file=open(os.devnull, "w")), resume_from=resume)
+    summary = run_job(cfg, run, console or Console(file=open(os.devnull, "w")), resume_from=resume)
     return run.path, summary, cfg
 
 
@@ -172,13 +172,25 @@ def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(c
 
 
 @pytest.mark.slow
-def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, tmp_path):
-    first_dir, _, cfg = _run(tmp_path, "train.max_steps=6", "train.eval_interval=3", "checkpoint.interval=3",
-                             "cluster.num_workers=2")
+def test_resume_with_another_world_size_or_plan_continues_from_the_saved_step(cluster, tmp_path):
+    first_dir, first, cfg = _run(tmp_path, "train.max_steps=6", "train.eval_interval=3", "checkpoint.interval=3",
+                                 "cluster.num_workers=2", "parallel.strategy=ddp", "parallel.pp=1",
+                                 "train.micro_batch_size=2")
     before = sorted(p.name for p in (first_dir / "checkpoints").iterdir())
-    ckpt = checkpoint_files.committed(str(first_dir / "checkpoints"))[-1]
+    ckpt = checkpoint_files.committed(str(first_dir / "checkpoints"))[0]
+    assert ckpt.endswith("step_00000003")
+    # Moved to a pipeline (the tied embedding and head on different stages): the run ends where
+    # the uninterrupted ddp run ended, and the console says the plan changed.
+    said = Console(record=True, file=open(os.devnull, "w"), width=300)
+    _, moved, _ = _run(tmp_path, "train.max_steps=6", "train.eval_interval=3", "cluster.num_workers=2",
+                       "parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=2", resume=ckpt,
+                       console=said)
+    assert moved["final_val_loss"] == pytest.approx(first["final_val_loss"], rel=1e-5)
+    assert f"resumed from {ckpt} at step 3, written under ddp on dp_replicate=2 x dp_shard=1 x tp=1 and " \
+           "resharded to ddp on pp=2 x dp_replicate=1 x dp_shard=1 x tp=1" in said.export_text()
+    last = checkpoint_files.committed(str(first_dir / "checkpoints"))[-1]
     run_dir, summary, _ = _run(tmp_path, "train.max_steps=9", "train.eval_interval=3", "cluster.num_workers=1",
-                               resume=ckpt)
+                               resume=last)
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 7 and rows[-1]["step"] == 9
     # resuming a run that already reached train.max_steps is refused before anything starts
@@ -186,7 +198,7 @@ def test_resume_with_another_world_size_continues_from_the_saved_step(cluster, t
 
     assert main(["submit", str(ROOT / "jobs" / "llm.yaml"), *TINY, "train.max_steps=6", f"monitor.runs_dir={tmp_path}",
                  "--resume", str(first_dir)]) == 2
-    assert summary["resumed_from"] == ckpt and summary["world_size"] == 1
+    assert summary["resumed_from"] == last and summary["world_size"] == 1
     # the earlier run's directory is only read
     assert sorted(p.name for p in (first_dir / "checkpoints").iterdir()) == before
 

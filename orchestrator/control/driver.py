@@ -23,6 +23,7 @@ from ..config import JobConfig, to_yaml
 from ..errors import PlanError, RunFailed
 from ..planning import Plan, plan_job
 from ..planning.cluster_view import plannable
+from ..planning.mesh import Mesh
 from ..planning.model_spec import ModelSpec
 from ..runtime import checkpoint_files
 from ..runtime.metrics import record_restart
@@ -175,8 +176,21 @@ def _start(cfg: JobConfig, plan: Plan, topology: ClusterTopology, run: RunDir, c
     for note in notes(setups):
         console.print(f"[yellow]note:[/] {escape(note)}")
     if resume:
-        console.print(f"resumed from {escape(resume)} at step {setups[0]['start_step']}")
+        console.print(f"resumed from {resume} at step {setups[0]['start_step']}{_plan_change(resume, plan)}",
+                      markup=False)
     return setups
+
+
+def _plan_change(resume: str, plan: Plan) -> str:
+    """How the plan that wrote the checkpoint `resume` differs from `plan`, said after the resume
+    line ("" when it is the same): a checkpoint loads under any plan, and a user should see that
+    one changed."""
+    meta = checkpoint_files.read_meta(resume)
+    if "mesh" not in meta or "strategy" not in meta:
+        return ""
+    was = f"{meta['strategy']} on {Mesh.from_dict(meta['mesh'])}"
+    now = f"{plan.strategy} on {plan.mesh}"
+    return "" if was == now else f", written under {was} and resharded to {now}"
 
 
 def _after_regrow(g: Regrow, console: Console, state: RunState, ckpt_dir: str, run: RunDir) -> str:

@@ -53,14 +53,15 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
     the planner's own choice when the whole world admits one, otherwise the plan for the
     largest uniform sub-world that does, with a note saying how many devices stay idle. Below
     elastic.min_workers, PlanError in one line."""
-    min_w = cfg.elastic.min_workers
+    min_w, gb = cfg.elastic.min_workers, cfg.train.global_batch_size
     try:
         plan = plan_job(cfg, topology, spec, left_out=left_out)
         if plan.fits:
             return plan, topology, None
-        first: Exception | None = PlanError(f"the plan does not fit: {plan.reason}")
+        first = PlanError(f"the plan does not fit: {plan.reason}")
     except PlanError as e:
         first = e
+    others: set[str] = set()  # why each smaller world failed
     for sub in uniform_subworlds(topology):
         if sub.num_devices >= topology.num_devices:
             continue  # the whole world (or the same size) was tried above
@@ -68,14 +69,18 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
             break
         try:
             plan = plan_job(cfg, sub, spec, left_out=left_out)
-        except PlanError:
+        except PlanError as e:
+            others.add(str(e))
             continue
         if plan.fits:
             note = (f"{plan.world_size} of {topology.num_devices} devices used: with all of them no plan keeps "
-                    f"train.global_batch_size={cfg.train.global_batch_size} ({first})")
+                    f"train.global_batch_size={gb} ({first})")
             return plan, sub, note
-    raise PlanError(f"{first}; and no sub-world of at least elastic.min_workers={min_w} devices keeps "
-                    f"train.global_batch_size={cfg.train.global_batch_size}")
+        others.add(f"the plan does not fit: {plan.reason}")
+    if others == {str(first)}:
+        raise first  # a cause no world size changes (an unknown GPU, a model that cannot be split)
+    raise PlanError(f"no world of at least elastic.min_workers={min_w} devices keeps train.global_batch_size={gb}: "
+                    f"with all {topology.num_devices}, {first}")
 
 
 def uses_gpus(topology: ClusterTopology) -> bool:
