@@ -81,12 +81,15 @@ def test_a_step_sees_the_same_sequences_whatever_the_data_parallel_size(dp):
 
 
 def test_a_cause_no_world_size_changes_is_stated_alone():
-    # GPUs the planner cannot name: every smaller world fails the same way, so the sub-world
-    # search adds nothing to the one line.
-    unnamed = describe_cluster(load_topology_file(CAPTURE, None), 2, Network(bandwidth_gbps=25.0, latency_us=10.0),
-                               None)
-    cfg = load_config(ROOT / "jobs" / "llm.yaml", ["model.n_layer=1"])
+    # A forced pipeline of a model that names no ends to cut at: every smaller world fails the
+    # same way, so the sub-world search adds nothing to the one line.
+    from dataclasses import replace
+
+    from orchestrator.control.preflight import measure_model
+
+    llama = ["model.factory=orchestrator.workloads.llama:build", "model.args.n_layers=2", "model.n_layer=2"]
+    spec = replace(measure_model(_cfg(*llama)), pipeline_ends=False)
     with pytest.raises(PlanError) as e:
-        plan_keeping_batch(cfg, unnamed)
-    assert str(e.value).startswith("GPU (unnamed)") and "set cluster.gpu" in str(e.value)
+        plan_keeping_batch(_cfg(*llama, "parallel.pp=2", "train.global_batch_size=18"), _gpus(2), spec)
+    assert str(e.value).startswith("key 'parallel.pp':") and "names no ends" in str(e.value)
     assert "sub-world" not in str(e.value) and "elastic.min_workers" not in str(e.value) and "\n" not in str(e.value)

@@ -1,7 +1,8 @@
 """Compute time of one step: FLOPs / (peak x efficiency), plus the optimizer's memory traffic.
 
 Peak comes from the GPU table (`gpus.py`), or from the device's measured figure when a
-measured probe recorded one. Efficiency is what fraction of peak the step reaches.
+measured probe recorded one; a GPU the table does not list is planned with conservative default
+figures (`UNLISTED_GPU`), and the plan says so. Efficiency is what fraction of peak the step reaches.
 
 On a GPU it is the block's GEMMs as the device runs them, capped at the 60% a whole step of a
 large dense transformer reaches (attention, norms and elementwise work run beside them): each
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..topology.model import Device
-from .gpus import CPU_SLOT, GpuSpec, lookup
+from .gpus import CPU_SLOT, UNLISTED_GPU, GpuSpec, lookup
 
 MAX_EFFICIENCY = 0.6
 # Half-saturation points of a CPU slot's efficiency curve: tokens per micro-batch, hidden size
@@ -51,14 +52,14 @@ class DeviceSpeed:
     """Streaming multiprocessors (0: unknown; GEMMs are then priced without wave quantization)."""
 
 
-def device_speed(device: Device, precision: str, fallback_gpu: str | None = None) -> DeviceSpeed | None:
-    """The speed and memory of a device; None when neither its name nor `fallback_gpu` is in the table."""
+def device_speed(device: Device, precision: str, fallback_gpu: str | None = None) -> DeviceSpeed:
+    """The speed and memory of a device: its table entry (by its name, else `fallback_gpu`), or
+    for a GPU the table has no entry for, `UNLISTED_GPU`'s conservative figures (its measured
+    matmul rate and memory where the probe has them; `unlisted_note` says which)."""
     if device.kind == "cpu":
-        spec: GpuSpec | None = CPU_SLOT
+        spec: GpuSpec = CPU_SLOT
     else:
-        spec = lookup(device.name) or lookup(fallback_gpu)
-    if spec is None:
-        return None
+        spec = lookup(device.name) or lookup(fallback_gpu) or UNLISTED_GPU
     peak = spec.fp32_tflops if precision == "fp32" and device.kind != "cpu" else spec.peak_tflops
     mem_gbps = spec.mem_gbps
     # A probe that measured the device's matmul rate replaces the table's peak.
@@ -67,6 +68,23 @@ def device_speed(device: Device, precision: str, fallback_gpu: str | None = None
         peak, name = float(device.measured_tflops), f"{spec.name} (measured)"
     memory = device.memory_bytes or spec.memory_bytes
     return DeviceSpeed(name, peak, mem_gbps, int(memory), spec.sms)
+
+
+def unlisted_note(device: Device, where: str, fallback_gpu: str | None = None) -> str | None:
+    """One line saying how a GPU the table has no entry for was planned; None for a listed one."""
+    if device.kind == "cpu" or lookup(device.name) or lookup(fallback_gpu):
+        return None
+    what = f"GPU {device.name or '(unnamed)'} on {where} is not in the planner's table"
+    u = UNLISTED_GPU
+    memory = (f"{device.memory_bytes / 1e9:.0f} GB as the probe read it" if device.memory_bytes
+              else f"{u.memory_bytes / 1e9:.0f} GB")
+    if device.measured_tflops:
+        how = (f"planned from its measured matmul rate ({device.measured_tflops:.0f} TFLOP/s), {memory} and an "
+               f"assumed {u.mem_gbps:.0f} GB/s memory bandwidth")
+    else:
+        how = (f"planned with conservative default figures ({u.peak_tflops:.0f} TFLOP/s bf16, {u.fp32_tflops:.0f} "
+               f"TFLOP/s fp32, {memory}, {u.mem_gbps:.0f} GB/s)")
+    return f"{what}: {how}; set cluster.gpu to a listed model or probe with cluster.measure=true for its own figures"
 
 
 def efficiency(tokens_per_micro_batch: int, hidden: int, tp: int = 1, speed: DeviceSpeed | None = None,

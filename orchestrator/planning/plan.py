@@ -13,11 +13,11 @@ from typing import Any
 from ..choices import Choice, Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
 from ..errors import PlanError
-from ..topology.model import ClusterTopology
+from ..topology.model import ClusterTopology, Device
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
-from .compute import DeviceSpeed, device_speed
+from .compute import DeviceSpeed, device_speed, unlisted_note
 from .cost import Estimate, JobContext
-from .gpus import known_names
+from .gpus import known_names, lookup
 from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
@@ -251,15 +251,14 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobCon
         raise PlanError("the cluster mixes GPUs and CPU slots; plan for one kind "
                         "(GPUs, or cluster.num_workers CPU slots)")
     on_gpu = kinds == {"gpu"}
+    if cfg.cluster.gpu and lookup(cfg.cluster.gpu) is None:
+        # A model asked for by name must be one the table knows: a typo would plan with defaults.
+        raise PlanError(f"key 'cluster.gpu': {cfg.cluster.gpu!r} is not a listed GPU model; listed: "
+                        f"{', '.join(known_names())}; leave it unset to plan an unlisted GPU from its measured "
+                        "or the default figures")
     speeds: list[DeviceSpeed] = []
     for node in topo.nodes:
-        for d in node.devices:
-            s = device_speed(d, cfg.train.precision, cfg.cluster.gpu)
-            if s is None:
-                where = node.hostname or node.node_id or "a node"
-                raise PlanError(f"GPU {d.name or '(unnamed)'} on {where} is not in the "
-                                f"planner's table; set cluster.gpu (or --gpu) to one of: {', '.join(known_names())}")
-            speeds.append(s)
+        speeds += [device_speed(d, cfg.train.precision, cfg.cluster.gpu) for d in node.devices]
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
     memory = min(s.memory_bytes for s in speeds)
     speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory, speed.sms)
@@ -475,10 +474,27 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         micro_batch_size=e.choice.micro_batch,
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
-        explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + describe_domains(view, real) + nic_notes
-                          + [f"left out: {x}" for x in left_out]),
+        explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + _unlisted(topology, cfg)
+                          + describe_domains(view, real) + nic_notes + [f"left out: {x}" for x in left_out]),
         left_out=left_out,
     )
+
+
+def _unlisted(topo: ClusterTopology, cfg: JobConfig) -> list[str]:
+    """One line per GPU model the table does not list, saying how it was planned."""
+    nodes: dict[str, list[str]] = {}
+    first: dict[str, Device] = {}
+    for i, node in enumerate(topo.nodes):
+        for d in node.devices:
+            if unlisted_note(d, "", cfg.cluster.gpu) is not None:
+                nodes.setdefault(d.name, []).append(node.hostname or node.node_id or f"node {i}")
+                first.setdefault(d.name, d)
+    out = []
+    for name, where in nodes.items():
+        distinct = sorted(set(where))
+        said = distinct[0] if len(distinct) == 1 else f"{len(distinct)} nodes"
+        out.append(unlisted_note(first[name], said, cfg.cluster.gpu))
+    return out
 
 
 def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape,

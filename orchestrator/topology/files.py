@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from ..errors import TopologyError
@@ -34,9 +35,19 @@ def _read(path: str | os.PathLike) -> str:
         raise TopologyError(f"{path}: cannot read topology file: {e.strerror or e}") from None
 
 
+# What other tools print, named in the one line that refuses them.
+_FOREIGN = (
+    (re.compile(r"ROCm System Management Interface|(Weight|Hops|Link Type) between two GPUs"),
+     "`rocm-smi --showtopo` output (AMD GPUs)"),
+    (re.compile(r"\b(Machine|Package|NUMANode|PU) L#\d+|^Machine \(", re.M), "`lstopo` output (hwloc)"),
+)
+_SMI_HEADER = re.compile(r"^[^\w\n]*GPU0[ \t]+GPU1\b|^[^\w\n]*GPU0[ \t]+(?!X\b)\S", re.M)
+
+
 def _sniff(text: str) -> str:
     head = text.lstrip("\ufeff \t\r\n")
-    if head.startswith(("{", "[")):
+    # A `[user@host ~]$ nvidia-smi topo -m` prompt above a matrix starts like a JSON array.
+    if head.startswith("{") or (head.startswith("[") and not _SMI_HEADER.search(text)):
         return "json"
     if head.startswith("<"):
         return "xml"
@@ -44,6 +55,9 @@ def _sniff(text: str) -> str:
         return "p2p-test"
     if "Link 0:" in text and "GPU0" not in text:
         return "nvlink-status"
+    for pattern, what in _FOREIGN:
+        if pattern.search(text):
+            return f"foreign:{what}"
     return "smi"
 
 
@@ -85,6 +99,8 @@ def _parse_single(text: str, where: str, gpu_name: str | None) -> NodeTopology:
         node = complete_xml(parse_nccl_xml(text, source=where), text, gpu_name, where)
     elif kind == "smi":
         node = parse_topo_matrix(text, source=where, gpu_names=gpu_name)
+    elif kind.startswith("foreign:"):
+        raise TopologyError(f"{where}: is {kind.split(':', 1)[1]}, which this planner does not read; give {FORMATS}")
     elif kind == "p2p-test":
         raise TopologyError(f"{where}: is p2pBandwidthLatencyTest output, which measures but does not describe "
                             f"the wiring; give {FORMATS}")

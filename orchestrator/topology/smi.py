@@ -2,10 +2,12 @@
 
 The matrix is the most common capture people paste and the one every NVIDIA driver prints,
 so this parser takes it as found in the wild: tab or space separated, preceded by a shell
-prompt, followed by legends, with NIC columns named `NIC#` (and a `NIC Legend`) or by their
-device names (drivers before 470), and the `CPU Affinity` / `NUMA Affinity` / `GPU NUMA ID`
-columns in whatever subset the driver printed. A capture cut off inside the matrix keeps the
-GPUs whose rows are whole and says in `warnings` what is missing.
+prompt, followed by legends, inside a Markdown code fence, indented, or with a comment or quote
+prefix on every line (`#`, `>`, `//`, as wrappers and issue trackers paste it), with NIC columns
+named `NIC#` (and a `NIC Legend`) or by their device names (drivers before 470), and the
+`CPU Affinity` / `NUMA Affinity` / `GPU NUMA ID` columns in whatever subset the driver printed
+(an abridged `NUMA` alone included). A capture cut off inside the matrix keeps the GPUs whose
+rows are whole and says in `warnings` what is missing.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ _PCIE_CELLS = {"PIX": "pix", "PXB": "pxb", "PHB": "phb", "NODE": "node", "SYS": 
 _NV_CELL = re.compile(r"^NV(\d+)$")
 _GPU_LABEL = re.compile(r"^GPU(\d+)$")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_TRAILING_LABELS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
-_TRAILING_START = re.compile(r"\b(CPU Affinity|NUMA Affinity|GPU NUMA ID)\b")
+_TRAILING_LABEL = re.compile(r"\b(CPU Affinity|NUMA Affinity|GPU NUMA ID|NUMA)\b")
+_TRAILING_ALIASES = {"NUMA": "NUMA Affinity"}
+_LINE_PREFIX = re.compile(r"^[ \t]*(?:#+|>+|//)[ \t]?")
+"""A comment or quote mark at the start of a pasted line (`# GPU0 ...`, `> GPU0 ...`)."""
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 """Ends the warning given when NVLink rates had to be assumed (a refinement that names the GPUs drops it)."""
 # The most NVLink lanes one GPU has (Hopper and Blackwell: 18).
@@ -75,9 +79,10 @@ def _find_header(lines: list[str], source: str) -> tuple[int, list[str], list[st
         tokens = line.split()
         if not tokens or tokens[0] != "GPU0" or "X" in tokens:
             continue
-        m = _TRAILING_START.search(line)
+        m = _TRAILING_LABEL.search(line)
         cols_part = line[: m.start()] if m else line
-        trailing = [t for t in _TRAILING_LABELS if t in line[m.start():]] if m else []
+        trailing = ([_TRAILING_ALIASES.get(t, t) for t in _TRAILING_LABEL.findall(line[m.start():])]
+                    if m else [])
         columns = cols_part.split()
         for c in columns:
             if c in columns[: columns.index(c)]:
@@ -157,7 +162,7 @@ def parse_topo_matrix(text: str, source: str = "nvidia-smi",
     bridge lane carries 14 GB/s, an A100 lane 25). Raises TopologyError naming line and column
     for input that is not such a matrix.
     """
-    lines = [_ANSI.sub("", l).rstrip("\r") for l in text.split("\n")]
+    lines = _without_line_prefix([_ANSI.sub("", l).rstrip("\r") for l in text.split("\n")])
     ends_cut = not text.endswith("\n")
     while lines and not lines[-1].strip():
         lines.pop()
@@ -277,6 +282,23 @@ def parse_topo_matrix(text: str, source: str = "nvidia-smi",
     node.nvlink_domains = nvlink_domains([d.index for d in devices], links)
     node.check()
     return node
+
+
+def _is_header(line: str) -> bool:
+    tokens = line.split()
+    return bool(tokens) and tokens[0] == "GPU0" and "X" not in tokens
+
+
+def _without_line_prefix(lines: list[str]) -> list[str]:
+    """`lines` with the comment or quote mark every matrix line carries blanked out, when the
+    header carries one (spaces of the same width: error columns stay those of the paste)."""
+    if any(_is_header(line) for line in lines):
+        return lines
+    for line in lines:
+        m = _LINE_PREFIX.match(line)
+        if m and _is_header(line[m.end():]):
+            return [_LINE_PREFIX.sub(lambda p: " " * len(p.group(0)), l, count=1) for l in lines]
+    return lines
 
 
 def _names(gpu_names: dict[int, str] | str | None, n: int) -> dict[int, str]:
