@@ -19,6 +19,7 @@ COMMANDS = {
     "submit": ("submit", "train a job: probe, plan, place and run it"),
     "plan": ("plan", "show the plan for a job on this cluster or a described one"),
     "probe": ("probe", "show the interconnect topology of this cluster or of a capture file"),
+    "doctor": ("doctor", "check every node (GPUs, NVLink, wiring, compute, links) before a long job"),
     "status": ("status", "list the jobs of a Ray cluster, or show one"),
     "logs": ("logs", "print (or follow) the output of a job on a Ray cluster"),
     "stop": ("stop", "stop a job on a Ray cluster and wait until it has ended"),

@@ -54,7 +54,7 @@ def probe_local(
         node = probe_nvml(pynvml_module)
     except NvmlUnavailable as e:
         reasons.append(str(e))
-        node = _probe_smi(reasons)
+        node = probe_smi(reasons)
     if node is not None:
         node.hostname = node.hostname or socket.gethostname()
         add_sysfs(node, sysfs_root)
@@ -113,7 +113,7 @@ def _run(cmd: list[str], reasons: list[str]) -> str | None:
     return done.stdout
 
 
-def _probe_smi(reasons: list[str]) -> NodeTopology | None:
+def probe_smi(reasons: list[str]) -> NodeTopology | None:
     """The `nvidia-smi topo -m` matrix, for machines where the NVML binding cannot load."""
     text = _run(["nvidia-smi", "topo", "-m"], reasons)
     if text is None:
