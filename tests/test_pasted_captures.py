@@ -104,3 +104,51 @@ def test_a_prompt_above_a_json_file_is_still_read_as_json_errors(tmp_path):
     path.write_text("[1, 2,\n")
     with pytest.raises(TopologyError, match="invalid JSON"):
         load_topology_file(path)
+
+
+# A Grace Blackwell compute tray as `nvidia-smi topo -m` prints it (made for this test in the
+# shape of published GB200 captures): four GPUs on NVLink 5, six RDMA devices reached across the
+# Grace CPU, and each GPU's memory exposed as NUMA nodes of its own (`GPU NUMA ID`), which NUMA
+# Affinity lists beside the CPU's node.
+_GB200_HEADER = ("        GPU0    GPU1    GPU2    GPU3    NIC0    NIC1    NIC2    NIC3    NIC4    NIC5    "
+                 "CPU Affinity    NUMA Affinity   GPU NUMA ID\n")
+GB200_TRAY = "NVIDIA Topology:\n" + _GB200_HEADER + """\
+GPU0     X      NV18    NV18    NV18    SYS     SYS     SYS     SYS     SYS     SYS     0-71    0,2-9             2
+GPU1    NV18     X      NV18    NV18    SYS     SYS     SYS     SYS     SYS     SYS     0-71    0,10-17           10
+GPU2    NV18    NV18     X      NV18    SYS     SYS     SYS     SYS     SYS     SYS     72-143  1,18-25           18
+GPU3    NV18    NV18    NV18     X      SYS     SYS     SYS     SYS     SYS     SYS     72-143  1,26-33           26
+NIC0    SYS     SYS     SYS     SYS      X      PIX     SYS     SYS     SYS     SYS
+NIC1    SYS     SYS     SYS     SYS     PIX      X      SYS     SYS     SYS     SYS
+NIC2    SYS     SYS     SYS     SYS     SYS     SYS      X      SYS     SYS     SYS
+NIC3    SYS     SYS     SYS     SYS     SYS     SYS     SYS      X      SYS     SYS
+NIC4    SYS     SYS     SYS     SYS     SYS     SYS     SYS     SYS      X      PIX
+NIC5    SYS     SYS     SYS     SYS     SYS     SYS     SYS     SYS     PIX      X
+
+NIC Legend:
+
+  NIC0: mlx5_0
+  NIC1: mlx5_1
+  NIC2: mlx5_2
+  NIC3: mlx5_3
+  NIC4: mlx5_4
+  NIC5: mlx5_5
+"""
+
+
+def test_a_grace_blackwell_tray_reads_its_sockets_links_and_nics(tmp_path):
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+    from orchestrator.planning.describe import describe_cluster
+    from orchestrator.topology.model import Network
+
+    path = tmp_path / "gb200.txt"
+    path.write_text(GB200_TRAY)
+    node = load_topology_file(path, "NVIDIA GB200")
+    assert [d.numa_node for d in node.devices] == [0, 0, 1, 1] and node.numa_nodes == [0, 1]
+    assert {(l.kind, l.nvlinks, l.bandwidth_gbps) for l in node.links} == {("nvlink", 18, 900.0)}
+    assert [n.name for n in node.nics] == [f"mlx5_{i}" for i in range(6)]
+    # More RDMA devices than GPUs: every GPU still gets a NIC of its own.
+    topo = describe_cluster(node, 2, Network(bandwidth_gbps=50.0, latency_us=5.0), "NVIDIA GB200")
+    plan = plan_job(load_config(None, []), topo)
+    per_node = [r.nic for r in plan.ranks if r.node == plan.ranks[0].node]
+    assert len(per_node) == 4 and len(set(per_node)) == 4

@@ -231,17 +231,23 @@ def parse_topo_matrix(text: str, source: str = "nvidia-smi",
     names = _names(gpu_names, len(whole))
     devices: list[Device] = []
     numa_ids: set[int] = set()
+    # Where GPUs expose their memory as NUMA nodes of their own (Grace Hopper and Grace Blackwell:
+    # `GPU NUMA ID` 2, 10, ...), NUMA Affinity lists those beside the CPU's node ("0,2-9"): the
+    # CPU nodes are the ones below every GPU's own.
+    gpu_numa = [v for g in whole if (v := _int_or_none(rows[g].extras.get("GPU NUMA ID"))) is not None]
+    below = min(gpu_numa) if gpu_numa else None
     for g in whole:
         idx = int(g[3:])
         extras = rows[g].extras
         affinity = extras.get("CPU Affinity")
         numa = extras.get("NUMA Affinity")
-        numa_ids.update(_numa_range(numa))
+        cpu_numa = [n for n in _numa_range(numa) if below is None or n < below]
+        numa_ids.update(cpu_numa)
         devices.append(
             Device(
                 index=idx,
                 name=names.get(idx, ""),
-                numa_node=_int_or_none(numa),
+                numa_node=cpu_numa[0] if len(cpu_numa) == 1 else _int_or_none(numa),
                 cpu_affinity=affinity if affinity and _CPU_LIST.match(affinity) else None,
             )
         )
