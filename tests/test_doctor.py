@@ -106,3 +106,32 @@ def test_doctor_on_a_gpu_less_machine_reports_cpu_figures_and_exits_0(tmp_path):
     (cpu,) = node["health"]["compute"]
     assert cpu["device"] == "cpu" and cpu["fp32_tflops"] > 0 and cpu["mem_gbps"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor.json"]  # nothing else written
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_node_whose_check_fails_is_one_line_and_the_others_are_checked(tmp_path, monkeypatch):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator.control.doctor import check_cluster
+    from orchestrator.topology.local import TOPOLOGY_FILE_ENV
+
+    monkeypatch.delenv(TOPOLOGY_FILE_ENV, raising=False)
+    broken = tmp_path / "broken.txt"
+    broken.write_text("GPU0 GPU1\nGPU0 X what\n")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, include_dashboard=False))
+    worker = cluster.add_node(num_cpus=1, env_vars={TOPOLOGY_FILE_ENV: str(broken)})
+    head_id, worker_id = cluster.head_node.node_id, worker.node_id
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        reports, figures = check_cluster(quick=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    by_node = {r.details["node_id"]: r for r in reports}
+    bad, good = by_node[worker_id], by_node[head_id]
+    assert bad.verdict == "fail" and len(bad.reasons) == 1
+    assert bad.reasons[0].startswith("fail: the check did not finish:") and "broken.txt" in bad.reasons[0]
+    assert good.verdict == "ok" and good.details["note"] == "no GPU: CPU figures only"
+    assert figures["links"].startswith("not measured:")

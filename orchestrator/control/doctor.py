@@ -71,6 +71,9 @@ def judge_health(report: dict[str, Any], name: str) -> NodeReport:
     gpus = {g["index"]: g for g in inv.get("gpus", [])}
     if not gpus and "error" in inv:
         out.details["note"] = "no GPU: CPU figures only"
+    # Each NIC and the GPUs nearest it (what NCCL will pair them with).
+    out.details["nics"] = [{"name": n["name"], "nearest": _nearest(n.get("gpu_paths", {}))}
+                           for n in report.get("topology", {}).get("nics", [])]
     for c in report.get("compute", []):
         if c["device"] == "cpu":
             continue
@@ -91,6 +94,15 @@ def judge_health(report: dict[str, Any], name: str) -> NodeReport:
                 out.add("fail" if c[key] < fail else "warn",
                         f"GPU{c['device']} {what} {got:.0f} {unit} is {c[key]:.0%} of the {spec.name}'s {table:.0f}")
     return out
+
+
+def _nearest(paths: dict) -> dict[str, Any]:
+    order = ("pix", "pxb", "phb", "node", "sys")
+    known = {int(g): p for g, p in paths.items() if p in order}
+    if not known:
+        return {}
+    best = min(known.values(), key=order.index)
+    return {"path": best, "gpus": sorted(g for g, p in known.items() if p == best)}
 
 
 def judge_links(node: NodeTopology, out: NodeReport) -> None:
@@ -155,7 +167,11 @@ def check_cluster(quick: bool = True, progress=None) -> tuple[list[NodeReport], 
         rep.details["node_id"] = node_id
         reports[node_id] = rep
     cluster_figures: dict[str, Any] = {}
-    topo = probe_cluster()
+    try:
+        topo = probe_cluster()
+    except Exception as e:  # noqa: BLE001 - a node whose probe fails is failed above already
+        cluster_figures["links"] = f"not measured: {(str(e).strip().splitlines() or [type(e).__name__])[-1]}"
+        return list(reports.values()), cluster_figures
     gpu_nodes = [n for n in topo.nodes if n.devices and n.devices[0].kind == "gpu"]
     if any(n.num_devices > 1 for n in gpu_nodes) or len(gpu_nodes) > 1:
         if progress:
