@@ -19,6 +19,7 @@ on. `--from CAPTURE` runs the wiring checks on captures, with no cluster at all.
 from __future__ import annotations
 
 import statistics
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,8 +178,10 @@ def check_cluster(quick: bool = True, progress=None) -> tuple[list[NodeReport], 
         if progress:
             progress("measuring links (peer bandwidth per GPU pair, all-reduce across nodes)")
         try:
-            measured = measure_cluster(ClusterTopology(nodes=gpu_nodes, network=topo.network), quick=quick,
-                                       refresh=True)
+            # Fresh figures, kept out of the probe's cache: the doctor writes only its report.
+            with tempfile.TemporaryDirectory(prefix="orchestrator-doctor-") as cache:
+                measured = measure_cluster(ClusterTopology(nodes=gpu_nodes, network=topo.network), quick=quick,
+                                           cache=cache, refresh=True)
             if len(gpu_nodes) > 1:
                 cluster_figures["network"] = {"all_reduce_bus_gbps": measured.network.bandwidth_gbps,
                                               "latency_us": measured.network.latency_us}
