@@ -38,6 +38,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "checkpoint_cost": ("params_m", "steps", "sync", "async"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),
     "cost_model_shaped": ("shapings", "mean_error", "goal"),
+    "gpu_check": ("part", "device", "seconds"),
     "memory_model": ("world", "models", "max_error", "goal"),
     "narayanan_ptdp": ("rows", "zero3_vs_ptdp", "flops_counted"),
     "placement_gain": ("models", "rows"),

@@ -54,7 +54,9 @@ def test_sigterm_mid_run_and_worker_warnings(tmp_path):
     t_start = time.monotonic()
     try:
         deadline = time.monotonic() + 240
-        while not list(tmp_path.glob("llm-*/checkpoints/step_00000002/meta.json")):
+        # Any committed checkpoint at step 2 or later: with a checkpoint every step and keep_last=2,
+        # step 2's is pruned within two steps, which a busy machine's poll can miss.
+        while not [m for m in tmp_path.glob("llm-*/checkpoints/step_*/meta.json") if int(m.parent.name[5:]) >= 2]:
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no checkpoint within 240 s"
             time.sleep(0.5)
