@@ -107,6 +107,28 @@ def test_p2p_is_priced_on_the_network_between_nodes():
     assert e.bubble_s > 0 and e.total_s > e.compute_s + e.bubble_s
 
 
+def test_the_tied_embeddings_gradient_exchange_between_the_end_stages_is_priced(monkeypatch):
+    # The first stage's embedding and the last stage's tied head sum their gradients after the
+    # schedule: a rank's share of vocab x hidden fp32 each way over the pp link, nothing hiding it.
+    from orchestrator.planning import cost
+
+    topo = dgx_a100(2)
+    cfg = load_config(None, ["model.n_layer=16", "model.n_head=32", "model.n_embd=4096", "model.vocab_size=51200",
+                             "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16"])
+    ctx = job_context(cfg, topo)
+    mesh = Mesh(1, 4, 2, pp=2)
+    cl = cluster_layout(Wirings.of(topo), mesh)
+    assert cl.per_node["pp"] == 1
+    choice = Choice("zero2", mesh, 1, "full", pp_schedule=PipelineSchedule.one_f_one_b)
+    e = estimate(ctx, cl, choice)
+    share = 51200 * 4096 * 4 / 4  # fp32 gradients, sharded over the 4 data-parallel ranks
+    assert e.comm_parts["tied embedding sync"] == pytest.approx(share / (200e9 / 8), rel=0.05)
+    monkeypatch.setattr(cost, "ties_head", lambda shape: False)  # the same model with its own head
+    untied = estimate(ctx, cl, choice)
+    assert "tied embedding sync" not in untied.comm_parts
+    assert e.exposed_comm_s - untied.exposed_comm_s == pytest.approx(e.comm_parts["tied embedding sync"], rel=0.05)
+
+
 def test_pipeline_never_sits_inside_an_nvlink_island_while_a_slower_link_crosses_nodes():
     topo = dgx_a100(4)
     cfg = load_config(None, ["model.n_layer=32", "model.n_head=32", "model.n_embd=4096", "model.vocab_size=51200",

@@ -90,10 +90,11 @@ def test_batch_that_no_mesh_divides_names_global_batch_size():
         plan_job(cfg, ClusterTopology(nodes=[]))
 
 
-def test_unknown_gpu_asks_for_cluster_gpu():
+def test_an_unnamed_gpu_is_planned_and_the_plan_says_how_to_name_it():
     node = load_topology_file(FIX / "topo_4gpu_pcie_pxb_pix_nccl667.txt")
-    with pytest.raises(PlanError, match="cluster.gpu"):
-        plan_job(load_config(None, []), describe_cluster(node, 1, Network()))
+    plan = plan_job(load_config(None, []), describe_cluster(node, 1, Network()))
+    assert plan.world_size == 4
+    assert any("conservative default figures" in line and "set cluster.gpu" in line for line in plan.explanation)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

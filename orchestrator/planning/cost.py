@@ -217,6 +217,14 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         # In the steady state a send overlaps the next micro-batch's compute; the first
         # micro-batch's trip through all p*v chunks forward and back is on the critical path.
         p2p_exposed = 2 * (pl.stages * pl.virtual - 1) * send
+        if ties_head(shape):
+            # The first stage holds the embedding, the last its tied copy as the head; after the
+            # schedule their gradients are summed (Megatron's embedding all-reduce, the runtime's
+            # `Pipelined._sync_tied`): each rank sends and receives its share of the vocabulary
+            # x hidden gradient over the pp link, before the optimizer can step. Nothing hides it.
+            tied = shape.vocab * shape.hidden * lay.grads / ex.shard_group
+            parts["tied embedding sync"] = p2p_seconds(tied, ppl.flat_gbps, ppl.flat_lat_us, ctx.on_gpu)
+            p2p_exposed += parts["tied embedding sync"]
     else:
         p2p_exposed = 0.0
     tp_s = parts.get("tp", 0.0) + p2p_exposed
@@ -321,6 +329,12 @@ def overlapped(comm_s: float, compute_s: float) -> float:
         return 0.0
     k = OVERLAP_COMPUTE_SLOWDOWN
     return max(comm_s - compute_s, comm_s * k / (1 + k))
+
+
+def ties_head(shape: ModelShape) -> bool:
+    """Whether the model's output head is its token embedding (the built-in GPT's is; a measured
+    model says)."""
+    return shape.spec is None or bool(shape.spec.tied_embeddings)
 
 
 def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> float:

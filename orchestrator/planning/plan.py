@@ -16,7 +16,7 @@ from ..errors import PlanError
 from ..topology.model import ClusterTopology, Device
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed, unlisted_note
-from .cost import Estimate, JobContext
+from .cost import Estimate, JobContext, ties_head
 from .gpus import known_names, lookup
 from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
@@ -386,7 +386,7 @@ def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: Cluste
              f"micro-batches; bubble {pl.bubble:.1%} of busy time ({e.bubble_s * 1e3:.2f} ms); point-to-point "
              f"{e.comm_parts.get('pipeline p2p', 0.0) * 1e3:.2f} ms per step between adjacent stages over {link}"]
     # The built-in GPT (no measured spec) ties its head to the embedding; a measured spec says.
-    tied = ctx.shape.spec is None or ctx.shape.spec.tied_embeddings
+    tied = ties_head(ctx.shape)
     head = "head (tied copy of the embedding)" if tied else "head"
     shown = list(range(pl.stages)) if pl.stages <= max_stages else \
         list(range(max_stages // 2)) + list(range(pl.stages - max_stages // 2, pl.stages))
