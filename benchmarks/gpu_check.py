@@ -1,0 +1,735 @@
+"""GPU check: the planner's predictions and the runtime's behaviour on one real GPU, in one command.
+
+    python benchmarks/gpu_check.py [--quick] [--only PART ...] [--device cuda|cpu] [--out DIR]
+
+Five parts, each written to its own DIR/gpu_check_PART.json (DIR is benchmarks/results/gpu/
+unless `--out` names another directory):
+
+* doctor: `python -m orchestrator doctor --out DIR/doctor.json`; its exit code, the tails of
+  its output and the report it wrote.
+* default_job: `python -m orchestrator submit jobs/llm.yaml cluster.num_workers=1 ...`, short;
+  from its run directory: launch to the end of the first step, steady tokens/s, MFU against
+  the peak the plan assumed (plan.json), the backend the worker used (placement.json).
+* memory_model: a ~1B Llama-shaped model at 4,096 tokens, micro-batch 1, bf16, one rank; for
+  ddp and zero3 (FSDP2) under each recompute mode, the plan's per-rank memory against
+  `torch.cuda.max_memory_allocated()` over a training step of the runtime's Trainer (the
+  second, once AdamW's state exists; the first step's peak is recorded beside it).
+* step_time: the plan's step time against the Trainer's steady step for the built-in GPT at
+  6/512, 12/768 and 24/1024 (layers/width), 1,024 tokens, DDP on one rank.
+* dcp: a ~100M-parameter GPT with AdamW state under FSDP2, saved by `runtime.checkpoint.save`
+  and loaded into a fresh Trainer by `Trainer.load_checkpoint`; whether every tensor came back
+  equal, the seconds and the bytes.
+
+The in-process parts share one process group of one rank (nccl). Each part records its own
+failure as `error` (one line) and the others still run; the exit code is 1 when any part
+failed. Planned to finish in under 8 minutes on one H200; `--quick` halves the Llama and runs
+fewer steps. `--device cpu` is the smoke mode the tests run: every part on CPU with gloo, fp32,
+tiny models and a few steps, the measured memory then being torch's MemTracker peak, and
+`doctor` recorded as whatever the CLI returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    RESULTS,
+    ROOT,
+    child_env,
+    free_port,
+    parse_args,
+    print_table,
+    python,
+    rel_error,
+    run,
+    steady_mean,
+    write_result,
+)
+
+OUT = RESULTS / "gpu"
+JOB = "jobs/llm.yaml"
+PARTS = ("doctor", "default_job", "memory_model", "step_time", "dcp")
+# What a part's JSON holds, beside part, device and seconds, when the part did not fail.
+FIGURES: dict[str, tuple[str, ...]] = {
+    "doctor": ("cli_command", "returncode", "stderr_tail"),
+    "default_job": ("cli_command", "first_step_s", "tokens_per_s", "step_s", "mfu", "backend", "plan"),
+    "memory_model": ("model", "params", "cases", "max_rel_error"),
+    "step_time": ("steps", "cases", "mean_abs_rel_error"),
+    "dcp": ("params", "bytes", "save_s", "load_s", "tensors", "equal"),
+}
+STRATEGIES = ("ddp", "zero3")
+RECOMPUTE = ("none", "selective", "full")
+TAIL_LINES = 20
+LLAMA = "model.factory=orchestrator.workloads.llama:build"
+
+
+def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> list[str]:
+    return [LLAMA, f"model.args={{dim: {dim}, n_layers: {layers}, n_heads: {heads}, n_kv_heads: {kv_heads}, "
+                   f"ffn_dim: {ffn}, vocab_size: {vocab}}}"]
+
+
+def gpt(layers: int, width: int, heads: int) -> list[str]:
+    return [f"model.n_layer={layers}", f"model.n_embd={width}", f"model.n_head={heads}"]
+
+
+def sizes(device: str, quick: bool) -> dict[str, Any]:
+    """Models, batches, steps and time limits of every part on `device`."""
+    if device == "cuda":
+        return {
+            "job_steps": 50 if quick else 100, "job_extra": [], "doctor_timeout_s": 120, "job_timeout_s": 180,
+            # 0.89B parameters (TinyLlama's width, FFN and vocabulary, 16 layers); --quick keeps 8 layers.
+            "memory_model": llama(2048, 8 if quick else 16, 16, 8, 5632, 32000), "memory_seq": 4096,
+            "step_models": {"gpt 6/512": gpt(6, 512, 8), "gpt 12/768": gpt(12, 768, 12),
+                            "gpt 24/1024": gpt(24, 1024, 16)},
+            "step_block": 1024, "step_batch": 32, "step_steps": 12 if quick else 30,
+            # 14 x 768 wide: 100M parameters (29M with --quick).
+            "dcp_model": gpt(4 if quick else 14, 768, 12), "dcp_block": 1024, "dcp_batch": 8,
+        }
+    return {
+        "job_steps": 5 if quick else 10, "job_extra": ["train.eval_iters=1"], "doctor_timeout_s": 120,
+        "job_timeout_s": 240,
+        "memory_model": llama(64, 2, 4, 2, 176, 256), "memory_seq": 64,
+        "step_models": {"gpt 1/64": gpt(1, 64, 4), "gpt 2/64": gpt(2, 64, 4), "gpt 2/128": gpt(2, 128, 4)},
+        "step_block": 64, "step_batch": 8, "step_steps": 5 if quick else 12,
+        "dcp_model": gpt(2, 128, 4), "dcp_block": 64, "dcp_batch": 4,
+    }
+
+
+class PartFailed(Exception):
+    """A part that failed after gathering figures worth keeping (a command's output tails)."""
+
+    def __init__(self, message: str, figures: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.figures = figures
+
+
+def one_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@dataclass
+class Check:
+    """What every part needs: the device, the sizes, where results and scratch files go."""
+
+    device: str
+    quick: bool
+    out: Path
+    work: Path
+    t0: float
+
+    @property
+    def size(self) -> dict[str, Any]:
+        return sizes(self.device, self.quick)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.cuda else "fp32"
+
+    def torch_device(self):
+        import torch
+
+        return torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+
+    def log(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def _tail(text: str, n: int = TAIL_LINES) -> list[str]:
+    return text.rstrip().splitlines()[-n:] if text.strip() else []
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's own session (submit then stops its workers and its Ray cluster),
+    SIGKILL to what is left after 30 s."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_command(cmd: list[str], timeout_s: float, work: Path) -> dict[str, Any]:
+    """Run `cmd` from the repository root in a session of its own, its output to files (not
+    pipes, which a daemon it leaves behind could hold open); stopped past `timeout_s`."""
+    work.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = work / "stdout.log", work / "stderr.log"
+    started = time.time()
+    timed_out = False
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(proc)
+    stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    return {"cli_command": shlex.join(cmd), "returncode": proc.returncode, "timed_out": timed_out,
+            "started": started, "wall_s": time.time() - started, "stdout": stdout, "stderr": stderr,
+            "stdout_tail": _tail(stdout), "stderr_tail": _tail(stderr)}
+
+
+def _said(res: dict[str, Any]) -> str:
+    """Why a command failed, in one line: its time limit, or its last line of output."""
+    if res["timed_out"]:
+        return f"ran past its time limit ({res['wall_s']:.0f} s)"
+    last = (res["stderr_tail"] or res["stdout_tail"] or [""])[-1].strip()
+    return f"exited with {res['returncode']}" + (f": {last}" if last else "")
+
+
+def _kept(res: dict[str, Any]) -> dict[str, Any]:
+    # Not "command": write_result's own key, the command line of the check itself.
+    return {k: res[k] for k in ("cli_command", "returncode", "timed_out", "wall_s", "stdout_tail", "stderr_tail")}
+
+
+# --- doctor -----------------------------------------------------------------------------------
+
+def doctor_command(report: Path) -> list[str]:
+    return [python(), "-m", "orchestrator", "doctor", "--out", str(report)]
+
+
+def verdicts(report: Any) -> list[str]:
+    """`name: verdict (reasons)` of each node the report names; none where it says otherwise."""
+    nodes = report.get("nodes") if isinstance(report, dict) else None
+    out = []
+    for n in nodes if isinstance(nodes, list) else []:
+        if isinstance(n, dict) and "verdict" in n:
+            reasons = [str(r) for r in n.get("reasons") or []]
+            out.append(f"{n.get('name', '?')}: {n['verdict']}" + (f" ({'; '.join(reasons)})" if reasons else ""))
+    return out
+
+
+def doctor(check: Check) -> dict[str, Any]:
+    """The doctor CLI as a user runs it. On CUDA a missing report or a non-zero exit (a node
+    that fails its checks) is a failure; on CPU the check only records what the CLI did."""
+    report = check.out / "doctor.json"
+    report.unlink(missing_ok=True)  # a report left by an earlier check must not pass for this one's
+    res = run_command(doctor_command(report), check.size["doctor_timeout_s"], check.work / "doctor")
+    figures = {**_kept(res), "report_path": str(report), "report": None, "verdicts": []}
+    if report.is_file():
+        try:
+            figures["report"] = json.loads(report.read_text())
+        except ValueError as e:
+            figures["report"] = {"unreadable": one_line(e)}
+        figures["verdicts"] = verdicts(figures["report"])
+    if check.cuda and (res["returncode"] != 0 or figures["report"] is None):
+        failing = [v for v in figures["verdicts"] if ": fail" in v]
+        why = _said(res) if res["returncode"] != 0 else "exited with 0 but wrote no report"
+        raise PartFailed(f"doctor {why}" + (f"; {failing[0]}" if failing else ""), figures)
+    if not check.cuda and res["returncode"] != 0:
+        figures["note"] = f"on CPU the doctor's outcome is recorded, not judged: it {_said(res)}"
+    return figures
+
+
+# --- default_job ------------------------------------------------------------------------------
+
+def run_directory(stdout: str) -> Path | None:
+    """The run directory `submit` printed (its first `run directory: ` line)."""
+    from orchestrator.connect.remote import RUN_DIR_LINE
+
+    for line in stdout.splitlines():
+        if line.startswith(RUN_DIR_LINE):
+            return Path(line.split(RUN_DIR_LINE, 1)[1].split("  (")[0].strip())
+    return None
+
+
+def read_run(run_dir: Path, launched: float) -> dict[str, Any]:
+    """What the run directory says of the run that `launched` (a time.time()) started."""
+    plan = json.loads((run_dir / "plan.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    placement = json.loads((run_dir / "placement.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step_s" in r]
+    if not rows:
+        raise RuntimeError(f"{run_dir / 'metrics.jsonl'} records no step")
+    step_s = steady_mean([r["step_s"] for r in rows])
+    model = plan["model"]
+    peak = model["peak_tflops_per_rank"] * 1e12
+    mfu = model["flops_per_step"] / plan["world_size"] / step_s / peak if peak else None
+    metric_mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
+    return {
+        "run_dir": str(run_dir), "steps": len(rows),
+        # The worker stamps each step's row with time.time() when the step ends, on this machine.
+        "first_step_s": rows[0]["time"] - launched,
+        "tokens_per_s": steady_mean([r["tokens_per_s"] for r in rows]), "step_s": step_s,
+        "predicted_step_s": plan["step_time"]["total_s"], "mfu": mfu,
+        "mfu_from_metrics": steady_mean(metric_mfu) if metric_mfu else None,
+        "flops_per_step": model["flops_per_step"], "peak_tflops_per_rank": model["peak_tflops_per_rank"],
+        "backend": placement[0].get("backend") if placement else summary.get("backend"),
+        "gpus": [p.get("gpu") for p in placement],
+        "plan": {k: plan[k] for k in ("strategy", "mesh", "micro_batch_size", "recompute", "world_size")},
+        "params": model["params"], "final_val_loss": summary.get("final_val_loss"),
+        "val_loss_drop": summary.get("val_loss_drop"), "warnings": summary.get("warnings", []),
+        # The run directory is scratch, gone after the check: what explains its figures is kept.
+        "plan_explanation": plan.get("explanation", []), "summary": summary,
+    }
+
+
+def default_job(check: Check) -> dict[str, Any]:
+    """jobs/llm.yaml through `submit`, as a user starts it, on one worker."""
+    s = check.size
+    work = check.work / "default_job"
+    runs = work / "runs"
+    cmd = [python(), "-m", "orchestrator", "submit", JOB, "cluster.num_workers=1", f"monitor.runs_dir={runs}",
+           f"train.max_steps={s['job_steps']}", "monitor.progress=false", "monitor.dashboard=false", *s["job_extra"]]
+    res = run_command(cmd, s["job_timeout_s"], work)
+    figures = _kept(res)
+    if res["returncode"] != 0:
+        raise PartFailed(f"submit {_said(res)}", figures)
+    run_dir = run_directory(res["stdout"])
+    if run_dir is None:
+        raise PartFailed("submit printed no `run directory: ` line", figures)
+    figures.update(read_run(run_dir, res["started"]))
+    if check.cuda and figures["backend"] != "nccl":
+        raise PartFailed(f"the worker ran on {figures['backend']}, not nccl", figures)
+    return figures
+
+
+# --- in-process parts: one rank, the runtime's Trainer ----------------------------------------
+
+def _group(check: Check) -> None:
+    """The process group of one rank every in-process part runs in, started on first use."""
+    import torch
+    import torch.distributed as dist
+
+    from orchestrator.runtime.trainer import init_process_group
+
+    if dist.is_initialized():
+        return
+    if check.cuda:
+        torch.cuda.set_device(0)  # before NCCL starts, so its communicator binds this device
+    init_process_group(0, 1, "127.0.0.1", free_port(), "nccl" if check.cuda else "gloo")
+
+
+def _close_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free(check: Check) -> None:
+    """Drop what the last case left: its trainer is gone, so its memory goes back to the device."""
+    import torch
+
+    gc.collect()
+    # Only where this process already uses the GPU: a context made here for nothing would sit
+    # beside the subprocess parts' own on the device.
+    if check.cuda and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def topology(check: Check):
+    """One rank's cluster: this GPU as itself (name and memory, so the planner takes its row of
+    the table), or one CPU slot."""
+    from orchestrator.topology.model import ClusterTopology, Device, NodeTopology, cpu_node
+
+    if not check.cuda:
+        return ClusterTopology(nodes=[cpu_node(1)])
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    gpu = Device(index=0, kind="gpu", name=props.name, memory_bytes=int(props.total_memory))
+    return ClusterTopology(nodes=[NodeTopology(hostname=socket.gethostname(), source="gpu_check", devices=[gpu])])
+
+
+def plan_for(check: Check, overrides: list[str], spec=None):
+    """(config, plan) of `overrides` on this one-rank cluster; `spec` the model measured once."""
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+
+    cfg = load_config(None, overrides)
+    return cfg, plan_job(cfg, topology(check), spec)
+
+
+def measured_spec(overrides: list[str]):
+    from orchestrator.config import load_config
+    from orchestrator.control.preflight import measure_model
+
+    return measure_model(load_config(None, overrides))
+
+
+def trainer(check: Check, cfg, plan):
+    """The runtime's Trainer for `plan`, handed over as its plan.json contract, as every launcher does."""
+    from orchestrator.planning import Plan
+    from orchestrator.runtime.trainer import Trainer
+
+    _group(check)
+    return Trainer(cfg, Plan.from_dict(plan.to_dict()), check.torch_device())
+
+
+def _peak_bytes(check: Check, tr) -> dict[str, Any]:
+    """Peak bytes over a training step of `tr` once AdamW's state exists; on CUDA the first
+    step's peak too. The trainer stays the caller's, so it is freed when the caller returns."""
+    import torch
+
+    if check.cuda:
+        torch.cuda.reset_peak_memory_stats()
+        tr.train_step(0)
+        first = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        tr.train_step(1)
+        return {"measured_peak_bytes": torch.cuda.max_memory_allocated(), "first_step_peak_bytes": first,
+                "reserved_peak_bytes": torch.cuda.max_memory_reserved(),
+                "measured_by": "torch.cuda.max_memory_allocated"}
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tr.train_step(0)
+    tracker = MemTracker()
+    tracker.track_external(tr.par.model, tr.par.optimizer)
+    with tracker:
+        tr.train_step(1)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return {"measured_peak_bytes": int(peak), "first_step_peak_bytes": None, "reserved_peak_bytes": None,
+            "measured_by": "torch MemTracker (CPU)"}
+
+
+def _measure_memory(check: Check, cfg, plan) -> dict[str, Any]:
+    import torch
+
+    baseline = torch.cuda.memory_allocated() if check.cuda else 0
+    tr = trainer(check, cfg, plan)
+    got = _peak_bytes(check, tr)
+    got["state_bytes"] = tr.par.state_bytes()
+    # What an earlier case may have left allocated is not this one's.
+    got["baseline_bytes"] = baseline
+    got["measured_peak_bytes"] -= baseline
+    if got["first_step_peak_bytes"] is not None:
+        got["first_step_peak_bytes"] -= baseline
+    return got
+
+
+def memory_case(check: Check, overrides: list[str], spec) -> dict[str, Any]:
+    """One strategy and recompute mode: the plan's per-rank bytes against one step's peak."""
+    cfg, plan = plan_for(check, overrides, spec)
+    m = plan.memory_per_rank
+    row: dict[str, Any] = {"strategy": str(cfg.parallel.strategy), "recompute": str(cfg.parallel.recompute),
+                           "planned": {"strategy": str(plan.strategy), "recompute": str(plan.execution.recompute),
+                                       "mesh": plan.mesh.to_dict(), "fits": plan.fits},
+                           "predicted": m.to_dict()}
+    try:
+        row.update(_measure_memory(check, cfg, plan))
+    except Exception as e:  # noqa: BLE001 - a case that fails (out of memory) leaves the others to run
+        row["error"] = one_line(e)
+    _free(check)
+    if "error" in row:
+        return row
+    measured = row["measured_peak_bytes"]
+    without_buffers = m.total - m.buffers
+    row.update(ratio=measured / m.total, rel_error=rel_error(m.total, measured),
+               ratio_without_buffers=measured / without_buffers)
+    return row
+
+
+def memory_model(check: Check) -> dict[str, Any]:
+    s = check.size
+    base = [*s["memory_model"], f"model.block_size={s['memory_seq']}", "train.global_batch_size=1",
+            "train.micro_batch_size=1", f"train.precision={check.precision}", "parallel.tp=1", "parallel.pp=1",
+            "checkpoint.enabled=false", "train.eval_iters=1"]
+    spec = measured_spec(base)  # the strategies and recompute modes share one measured model
+    params = plan_for(check, base, spec)[1].model.params
+    cases = []
+    for strategy in STRATEGIES:
+        for recompute in RECOMPUTE:
+            check.log(f"memory_model: {strategy}, recompute {recompute}")
+            cases.append(memory_case(check, [*base, f"parallel.strategy={strategy}", f"parallel.recompute={recompute}"],
+                                     spec))
+            c = cases[-1]
+            check.log(f"memory_model: {strategy}/{recompute}: " + (c["error"] if "error" in c else
+                      f"predicted {_size(c['predicted']['total'])}, measured {_size(c['measured_peak_bytes'])}, "
+                      f"ratio {c['ratio']:.3f}"))
+    done = [c for c in cases if "error" not in c]
+    figures = {"model": base, "params": params, "seq": s["memory_seq"], "micro_batch_size": 1,
+               "precision": check.precision, "cases": cases,
+               "max_rel_error": max((c["rel_error"] for c in done), default=None)}
+    unit, per = ("GB", 1e9) if check.cuda else ("MB", 1e6)
+    print_table(f"per-rank memory, {params / 1e6:.1f}M-parameter Llama, {s['memory_seq']} tokens, "
+                f"micro-batch 1, {check.precision}, one rank on {check.device}",
+                ["strategy", "recompute", f"pred {unit}", f"pred w/o buffers {unit}", f"measured {unit}",
+                 "measured / pred"],
+                [[c["strategy"], c["recompute"], c["predicted"]["total"] / per,
+                  (c["predicted"]["total"] - c["predicted"]["buffers"]) / per,
+                  c.get("measured_peak_bytes", math.nan) / per, c.get("ratio", math.nan)] for c in cases])
+    failed = [c for c in cases if "error" in c]
+    if failed:
+        raise PartFailed(f"{len(failed)} of {len(cases)} cases failed; "
+                         f"{failed[0]['strategy']}/{failed[0]['recompute']}: {failed[0]['error']}", figures)
+    return figures
+
+
+def _measure_steps(check: Check, cfg, plan, steps: int) -> dict[str, Any]:
+    tr = trainer(check, cfg, plan)
+    times = [tr.train_step(i).step_s for i in range(steps)]
+    return {"step_s_each": times, "measured_step_s": steady_mean(times), "tokens_per_step": tr.tokens_per_step}
+
+
+def step_case(check: Check, label: str, overrides: list[str], steps: int) -> dict[str, Any]:
+    """The plan's step time against the steady step of `steps` real ones."""
+    cfg, plan = plan_for(check, overrides, measured_spec(overrides))
+    row: dict[str, Any] = {"case": label, "overrides": overrides, "params": plan.model.params,
+                           "strategy": str(plan.strategy), "micro_batch_size": plan.micro_batch_size,
+                           "grad_accum_steps": plan.sync.grad_accum_steps, "recompute": str(plan.execution.recompute),
+                           "predicted_step_s": plan.step_time.total_s}
+    try:
+        row.update(_measure_steps(check, cfg, plan, steps))
+    except Exception as e:  # noqa: BLE001 - one size that fails leaves the others to run
+        row["error"] = one_line(e)
+    _free(check)
+    if "error" in row:
+        return row
+    measured = row["measured_step_s"]
+    peak = plan.model.peak_tflops_per_rank * 1e12
+    row.update(ratio=measured / row["predicted_step_s"], rel_error=rel_error(row["predicted_step_s"], measured),
+               tokens_per_s=row["tokens_per_step"] / measured,
+               mfu=plan.model.flops_per_step / measured / peak if peak else None)
+    return row
+
+
+def step_time(check: Check) -> dict[str, Any]:
+    s = check.size
+    steps = s["step_steps"]
+    common = [f"model.block_size={s['step_block']}", f"train.global_batch_size={s['step_batch']}",
+              f"train.max_steps={steps}", "train.warmup_steps=1", f"train.precision={check.precision}",
+              "parallel.strategy=ddp", "parallel.tp=1", "parallel.pp=1", "checkpoint.enabled=false"]
+    cases = []
+    for label, model in s["step_models"].items():
+        check.log(f"step_time: {label}, {steps} steps")
+        cases.append(step_case(check, label, [*model, *common], steps))
+        c = cases[-1]
+        check.log(f"step_time: {label}: " + (c["error"] if "error" in c else
+                  f"predicted {c['predicted_step_s'] * 1e3:.1f} ms, measured {c['measured_step_s'] * 1e3:.1f} ms"))
+    done = [c for c in cases if "error" not in c]
+    figures = {"steps": steps, "block_size": s["step_block"], "global_batch_size": s["step_batch"],
+               "precision": check.precision, "cases": cases,
+               "mean_abs_rel_error": sum(c["rel_error"] for c in done) / len(done) if done else None}
+    print_table(f"step time, built-in GPT, {s['step_block']} tokens x {s['step_batch']} sequences, one rank on "
+                f"{check.device}, {steps} steps",
+                ["case", "params", "micro-batch", "predicted ms", "measured ms", "measured / pred", "MFU"],
+                [[c["case"], c["params"], c["micro_batch_size"], c["predicted_step_s"] * 1e3,
+                  c.get("measured_step_s", math.nan) * 1e3, c.get("ratio", math.nan), c.get("mfu")]
+                 for c in cases])
+    failed = [c for c in cases if "error" in c]
+    if failed:
+        raise PartFailed(f"{len(failed)} of {len(cases)} sizes failed; {failed[0]['case']}: {failed[0]['error']}",
+                         figures)
+    return figures
+
+
+def flatten(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf of a nested state dict by its dotted path; tensors whole (a DTensor gathered)
+    and on the CPU, so a state can be kept after its trainer is gone."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        out: dict[str, Any] = {}
+        for k, v in state.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(state, DTensor):
+        state = state.full_tensor()
+    if isinstance(state, torch.Tensor):
+        state = state.detach().to("cpu", copy=True)
+    return {prefix[:-1]: state}
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys whose values differ (in dtype, shape or any element), or that only one side has."""
+    import torch
+
+    diff = sorted(set(a) ^ set(b))
+    for k in sorted(set(a) & set(b)):
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                    and x.shape == y.shape and torch.equal(x, y))
+        else:
+            same = x == y
+        if not same:
+            diff.append(k)
+    return diff
+
+
+def _sync(check: Check) -> None:
+    if check.cuda:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _save(check: Check, cfg, plan, root: Path) -> dict[str, Any]:
+    """Train two steps (weights moved, AdamW's moments filled), save; the state as saved."""
+    from orchestrator.runtime import checkpoint
+
+    tr = trainer(check, cfg, plan)
+    for step in range(2):
+        tr.train_step(step)
+    state = tr.state_dict()
+    _sync(check)
+    t0 = time.perf_counter()
+    path = checkpoint.save(str(root), 2, state, tr.checkpoint_meta(), keep_last=1)
+    _sync(check)
+    return {"path": path, "save_s": time.perf_counter() - t0, "saved": flatten(state), "params": tr.num_params}
+
+
+def _load(check: Check, cfg, plan, path: str) -> dict[str, Any]:
+    """A fresh trainer (its own initial weights) loads `path`; its state before and after."""
+    tr = trainer(check, cfg, plan)
+    before = flatten(tr.state_dict())
+    _sync(check)
+    t0 = time.perf_counter()
+    step = tr.load_checkpoint(path)
+    _sync(check)
+    return {"load_s": time.perf_counter() - t0, "step": step, "before": before, "loaded": flatten(tr.state_dict())}
+
+
+def dcp(check: Check) -> dict[str, Any]:
+    s = check.size
+    overrides = [*s["dcp_model"], f"model.block_size={s['dcp_block']}", f"train.global_batch_size={s['dcp_batch']}",
+                 f"train.micro_batch_size={s['dcp_batch']}", f"train.precision={check.precision}",
+                 "parallel.strategy=zero3", "parallel.tp=1", "parallel.pp=1", "train.max_steps=10"]
+    cfg, plan = plan_for(check, overrides, measured_spec(overrides))
+    root = check.work / "dcp"
+    saved = _save(check, cfg, plan, root)
+    _free(check)
+    check.log(f"dcp: saved {saved['params'] / 1e6:.1f}M parameters + AdamW in {saved['save_s']:.2f} s")
+    loaded = _load(check, cfg, plan, saved["path"])
+    _free(check)
+    files = [p for p in Path(saved["path"]).rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    tensors = {k: v for k, v in saved["saved"].items() if hasattr(v, "numel")}
+    state_bytes = sum(v.numel() * v.element_size() for v in tensors.values())
+    mismatched = differences(saved["saved"], loaded["loaded"])
+    figures = {"params": saved["params"], "strategy": str(plan.strategy), "precision": check.precision,
+               "overrides": overrides, "bytes": size, "state_bytes": state_bytes, "files": len(files),
+               "save_s": saved["save_s"], "load_s": loaded["load_s"],
+               "save_gb_per_s": size / 1e9 / saved["save_s"], "load_gb_per_s": size / 1e9 / loaded["load_s"],
+               "step": loaded["step"], "keys": len(saved["saved"]), "tensors": len(tensors),
+               # The comparison has teeth only if the fresh trainer started elsewhere.
+               "differed_before_load": len(differences(saved["saved"], loaded["before"])),
+               "mismatched": mismatched[:20], "equal": not mismatched}
+    if mismatched:
+        raise PartFailed(f"{len(mismatched)} of {len(saved['saved'])} entries differ after loading, "
+                         f"first {mismatched[0]}", figures)
+    if figures["differed_before_load"] == 0:
+        raise PartFailed("the fresh trainer already held the saved state, so the load proved nothing", figures)
+    return figures
+
+
+# --- the check --------------------------------------------------------------------------------
+
+PART_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
+    "doctor": doctor, "default_job": default_job, "memory_model": memory_model, "step_time": step_time, "dcp": dcp,
+}
+
+
+def run_part(name: str, check: Check, args: argparse.Namespace) -> dict[str, Any]:
+    """One part, its failure caught and recorded; its JSON written either way."""
+    check.log(f"{name}: start")
+    t0 = time.perf_counter()
+    try:
+        figures = PART_FUNCTIONS[name](check)
+    except PartFailed as e:
+        figures = {**e.figures, "error": str(e)}  # already one line, said by the part
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - one part's failure must not stop the others (DCP's is a BaseException)
+        figures = {"error": one_line(e)}
+    _free(check)
+    result = {"part": name, "device": check.device, "seconds": time.perf_counter() - t0, **figures}
+    part_args = argparse.Namespace(**{**vars(args), "out": check.out / f"gpu_check_{name}.json"})
+    path = write_result("gpu_check", result, part_args)
+    check.log(f"{name}: {'FAILED: ' + result['error'] if 'error' in result else 'done'}; wrote {path}")
+    return result
+
+
+def headline(name: str, r: dict[str, Any]) -> str:
+    """The figure a reader wants first from a part."""
+    if "error" in r:
+        return r["error"]
+    if name == "doctor":
+        said = "; ".join(r["verdicts"]) or f"report {'written' if r['report'] is not None else 'missing'}"
+        return f"exit {r['returncode']}, {said}"
+    if name == "default_job":
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        return (f"first step after {r['first_step_s']:.1f} s, {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+                f"{r['backend']}")
+    if name == "memory_model":
+        ratios = [c["ratio"] for c in r["cases"]]
+        return f"measured / predicted {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} cases"
+    if name == "step_time":
+        return "measured / predicted " + ", ".join(f"{c['case']} {c['ratio']:.2f}" for c in r["cases"])
+    return (f"{r['bytes'] / 1e9:.2f} GB, save {r['save_s']:.2f} s, load {r['load_s']:.2f} s, "
+            f"{r['tensors']} tensors {'equal' if r['equal'] else 'DIFFER'}")
+
+
+def options(ap) -> None:
+    ap.add_argument("--only", action="append", choices=PARTS, metavar="PART",
+                    help=f"run this part only (repeatable): {', '.join(PARTS)}")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (the check); cpu: every part on CPU, tiny sizes (the tests' smoke mode)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__, argv, options)
+    names = [p for p in PARTS if p in (args.only or PARTS)]
+    if args.device == "cuda":
+        import torch
+
+        from orchestrator.errors import UserError
+
+        if not torch.cuda.is_available():
+            raise UserError("no CUDA device here; `--device cpu` runs every part on CPU (the smoke mode)")
+    out = args.out or OUT
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        check = Check(device=args.device, quick=args.quick, out=out, work=Path(tmp), t0=t0)
+        check.log(f"gpu check on {args.device}: {', '.join(names)}")
+        try:
+            for name in names:
+                results[name] = run_part(name, check, args)
+        finally:
+            _close_group()
+    print_table(f"gpu check on {args.device}{' (quick)' if args.quick else ''}, "
+                f"{time.perf_counter() - t0:.0f} s, results in {out}",
+                ["part", "status", "seconds", "result"],
+                [[n, "FAILED" if "error" in r else "ok", r["seconds"], headline(n, r)] for n, r in results.items()])
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    run(main)
