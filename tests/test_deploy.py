@@ -148,7 +148,7 @@ def test_labels_name_the_gpu_model_and_the_fabric_clique():
     node = NodeTopology(hostname="nvl72-tray-3", devices=devices, nvlink_domains=[[0, 1, 2, 3]], source="nvml")
     labels = node_labels(node)
     assert _ray_accepts(labels) == labels
-    assert labels[f"{PREFIX}gpu"] == "B200"  # the planner's model name, so labels and plans agree
+    assert labels[f"{PREFIX}gpu"] == "GB200"  # the planner's model name, so labels and plans agree
     # Every tray of one NVL72 rack reports the same clique, so they share one domain label.
     assert labels[f"{PREFIX}nvlink-domain"] == "8f0e2a6c-1d2b-4c1e-9a8e-0b4b1c1d2e3f.7"
     h100 = NodeTopology(hostname="h", devices=[Device(index=i, name="NVIDIA H100 80GB HBM3") for i in range(2)])

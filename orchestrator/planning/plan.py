@@ -486,15 +486,12 @@ def _unlisted(topo: ClusterTopology, cfg: JobConfig) -> list[str]:
     first: dict[str, Device] = {}
     for i, node in enumerate(topo.nodes):
         for d in node.devices:
-            if unlisted_note(d, "", cfg.cluster.gpu) is not None:
-                nodes.setdefault(d.name, []).append(node.hostname or node.node_id or f"node {i}")
-                first.setdefault(d.name, d)
-    out = []
-    for name, where in nodes.items():
-        distinct = sorted(set(where))
-        said = distinct[0] if len(distinct) == 1 else f"{len(distinct)} nodes"
-        out.append(unlisted_note(first[name], said, cfg.cluster.gpu))
-    return out
+            if d.name not in first and unlisted_note(d, "", cfg.cluster.gpu) is not None:
+                first[d.name] = d
+        for name in {d.name for d in node.devices} & set(first):
+            nodes.setdefault(name, []).append(node.hostname or node.node_id or f"node {i}")
+    return [unlisted_note(first[name], where[0] if len(where) == 1 else f"{len(where)} nodes", cfg.cluster.gpu)
+            for name, where in nodes.items()]
 
 
 def _nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape,
