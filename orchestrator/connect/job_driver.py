@@ -53,6 +53,11 @@ def run_from_snapshot(argv: list[str]) -> None:
     if not os.environ.get(REMOTE_RUN_ENV):
         return
     here = Path.cwd()
-    there = snapshot(here, here.with_name(f"{here.name}.driver-{os.getpid()}"))
+    try:
+        there = snapshot(here, here.with_name(f"{here.name}.driver-{os.getpid()}"))
+    except OSError as e:
+        # Running in place is what Ray does by itself: the job still runs where nothing re-unpacks.
+        print(f"warning: cannot snapshot the job's working directory ({e}); running in place", file=sys.stderr)
+        return
     os.chdir(there)
     os.execve(sys.executable, [sys.executable, "-m", "orchestrator", *argv], {**os.environ, SNAPSHOT_ENV: str(there)})
