@@ -78,9 +78,9 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
             return plan, sub, note
         others.add(f"the plan does not fit: {plan.reason}")
     if others == {str(first)}:
-        raise first  # a cause no world size changes (an unknown GPU, a model that cannot be split)
+        raise first  # a cause no world size changes (a model that cannot be split as forced)
     raise PlanError(f"no world of at least elastic.min_workers={min_w} devices keeps train.global_batch_size={gb}: "
-                    f"with all {topology.num_devices}, {first}")
+                    f"with all {topology.num_devices} devices, {first}")
 
 
 def uses_gpus(topology: ClusterTopology) -> bool:
