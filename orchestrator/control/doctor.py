@@ -59,7 +59,8 @@ def judge_health(report: dict[str, Any], name: str) -> NodeReport:
     """The verdict on what `node_health` found on one node."""
     out = NodeReport(name, details={"health": report})
     inv = report.get("inventory", {})
-    if "error" in inv and report.get("topology", {}).get("devices", [{}])[0].get("kind") == "gpu":
+    kinds = {d.get("kind") for d in report.get("topology", {}).get("devices", [])}
+    if "error" in inv and "gpu" in kinds:  # the node has GPUs (declared or probed) NVML cannot reach
         out.add("fail", inv["error"])
     for line in report.get("errors", []):
         out.add("fail", line)
