@@ -93,6 +93,8 @@ def test_an_unlisted_gpu_is_a_warning_planned_from_its_measured_rate():
         "warn: GPU0 (NVIDIA Future X1) is not in the planner's table: plans use its measured 720 TFLOP/s"]
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_doctor_on_a_gpu_less_machine_reports_cpu_figures_and_exits_0(tmp_path):
     out = tmp_path / "doctor.json"
     out.write_text("an earlier report")
