@@ -26,7 +26,7 @@ from typing import Any
 from ..planning.gpus import lookup
 from ..topology.files import load_topology_file
 from ..topology.model import ClusterTopology, NodeTopology
-from ..topology.wiring import check_wiring
+from ..topology.wiring import check_wiring, nearest_gpus
 
 WARN_COMPUTE, FAIL_COMPUTE = 0.6, 0.3
 """Measured over datasheet matmul rate below which a GPU is a warning, a failure."""
@@ -74,7 +74,7 @@ def judge_health(report: dict[str, Any], name: str) -> NodeReport:
     if not gpus and "error" in inv:
         out.details["note"] = "no GPU: CPU figures only"
     # Each NIC and the GPUs nearest it (what NCCL will pair them with).
-    out.details["nics"] = [{"name": n["name"], "nearest": _nearest(n.get("gpu_paths", {}))}
+    out.details["nics"] = [{"name": n["name"], "nearest": nearest_gpus(n.get("gpu_paths", {}))}
                            for n in report.get("topology", {}).get("nics", [])]
     for c in report.get("compute", []):
         if c["device"] == "cpu":
@@ -96,15 +96,6 @@ def judge_health(report: dict[str, Any], name: str) -> NodeReport:
                 out.add("fail" if c[key] < fail else "warn",
                         f"GPU{c['device']} {what} {got:.0f} {unit} is {c[key]:.0%} of the {spec.name}'s {table:.0f}")
     return out
-
-
-def _nearest(paths: dict) -> dict[str, Any]:
-    order = ("pix", "pxb", "phb", "node", "sys")
-    known = {int(g): p for g, p in paths.items() if p in order}
-    if not known:
-        return {}
-    best = min(known.values(), key=order.index)
-    return {"path": best, "gpus": sorted(g for g, p in known.items() if p == best)}
 
 
 def judge_links(node: NodeTopology, out: NodeReport) -> None:

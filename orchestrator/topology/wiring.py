@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from .model import Link, NodeTopology
 
@@ -29,6 +30,15 @@ _PATHS = ("pix", "pxb", "phb", "node", "sys")
 
 def _distance(path: str) -> int:
     return _PATHS.index(path) if path in _PATHS else len(_PATHS)
+
+
+def nearest_gpus(gpu_paths: dict) -> dict[str, Any]:
+    """{"path", "gpus"}: a NIC's nearest PCIe path kind and the GPUs at it; {} when none is known."""
+    known = {int(g): p for g, p in gpu_paths.items() if p in _PATHS}
+    if not known:
+        return {}
+    best = min(known.values(), key=_distance)
+    return {"path": best, "gpus": sorted(g for g, p in known.items() if p == best)}
 
 
 @dataclass(frozen=True)
