@@ -124,7 +124,7 @@ def _choice(plan):
     from orchestrator.planning.cost import Choice
 
     return Choice(strategy=plan.strategy, mesh=plan.mesh, micro_batch=plan.micro_batch_size, recompute=plan.recompute,
-                  compression=plan.sync.compression)
+                  compression=plan.sync.compression, accum_sync=plan.sync.accum_sync)
 
 
 def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:

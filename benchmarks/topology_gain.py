@@ -89,14 +89,15 @@ def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
     """What a run's plan.json says it ran and predicted: enough for `price_on` to price it again."""
     return {"strategy": plan["strategy"], "mesh": plan["mesh"], "sync": plan.get("sync", {}).get("algorithm"),
             "micro_batch_size": plan.get("micro_batch_size"), "recompute": plan.get("recompute"),
-            "pipeline": plan.get("pipeline"), "predicted_step_s": plan["step_time"]["total_s"]}
+            "pipeline": plan.get("pipeline"), "accum_sync": plan.get("sync", {}).get("accum_sync"),
+            "predicted_step_s": plan["step_time"]["total_s"]}
 
 
 def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]) -> dict[str, Any]:
     """The planner's step time of a run's plan on the measured cluster: the plan's own strategy,
     mesh, micro-batch, recomputation and all-reduce schedule, priced by `cost.estimate` on the
     topology the probe measured (how `placement_gain.py` prices its equal-links plan)."""
-    from orchestrator.choices import PipelineSchedule, Recompute, Strategy, SyncAlgorithm
+    from orchestrator.choices import AccumSync, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
     from orchestrator.config import load_config
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
@@ -113,7 +114,8 @@ def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]
     choice = Choice(Strategy(run["strategy"]), mesh, int(run["micro_batch_size"]), Recompute(run["recompute"]),
                     algorithm=SyncAlgorithm(run["sync"]),
                     pp_schedule=PipelineSchedule(pl.get("schedule", PipelineSchedule.one_f_one_b)),
-                    virtual=int(pl.get("virtual", 1)))
+                    virtual=int(pl.get("virtual", 1)),
+                    accum_sync=AccumSync(run.get("accum_sync") or AccumSync.last_micro_step))
     e = estimate(ctx, cluster_layout(Wirings.of(topo), mesh), choice)
     return {"step_s": e.total_s, "compute_s": e.compute_s, "comm_s": e.comm_s, "comm_parts": e.comm_parts,
             "schedule": e.schedule}

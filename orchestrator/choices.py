@@ -94,3 +94,14 @@ class SyncAlgorithm(Choice):
     auto = "auto"
     flat = "flat"
     hierarchical = "hierarchical"
+
+
+class AccumSync(Choice):
+    """When FSDP2 reduces gradients under gradient accumulation: `per_micro_step`
+    reduce-scatters after every micro-step's backward and keeps only sharded gradients;
+    `last_micro_step` keeps every unsharded gradient until the last micro-step and reduces
+    once. DDP, ZeRO-1 and pipelines always run `last_micro_step`."""
+
+    auto = "auto"
+    per_micro_step = "per_micro_step"
+    last_micro_step = "last_micro_step"

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .choices import Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
+from .choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
 from .errors import ConfigError
 
 GPT_FACTORY = "orchestrator.workloads.gpt:build"
@@ -38,7 +38,9 @@ class ModelConfig:
     """A Hugging Face `config.json` to build a `transformers` causal LM from (random init; needs `.[hf]`);
     overrides `factory`. Nothing is ever downloaded."""
     hf_weights: Optional[str] = None
-    """Local `.safetensors` weights to load into the `hf_config` model."""
+    """Local weights to load into the `hf_config` model: a `.safetensors` file, or a directory with
+    `model.safetensors` or a sharded checkpoint (`model.safetensors.index.json`). Each rank reads
+    only its own slices."""
 
     n_layer: int = 4
     """Number of transformer blocks."""
@@ -138,6 +140,11 @@ class ParallelConfig:
     """Gradient compression: `auto` (only when comm-bound and allowed), `none`, `fp16`, `bf16`, `powersgd`."""
     allow_compression: bool = False
     """Let `auto` pick a lossy gradient compression when communication dominates."""
+    accum_sync: AccumSync = AccumSync.auto
+    """When FSDP2 reduces gradients under accumulation: `auto` (the fastest that fits),
+    `per_micro_step` (reduce-scatter every micro-step: sharded gradients, traffic x accum) or
+    `last_micro_step` (keep unsharded gradients until the last micro-step: one reduction).
+    DDP, ZeRO-1 and pipelines always run `last_micro_step`."""
 
 
 @dataclass
@@ -369,8 +376,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"key 'parallel.bucket_mb': expected 'auto' or a positive number, got {p.bucket_mb!r}")
     if m.hf_config is not None and not Path(m.hf_config).is_file():
         raise ConfigError(f"key 'model.hf_config': no such file {m.hf_config}")
-    if m.hf_weights is not None and (m.hf_config is None or not Path(m.hf_weights).is_file()):
-        raise ConfigError(f"key 'model.hf_weights': needs model.hf_config and an existing file, got {m.hf_weights}")
+    if m.hf_weights is not None and (m.hf_config is None or not Path(m.hf_weights).exists()):
+        raise ConfigError(f"key 'model.hf_weights': needs model.hf_config and an existing safetensors file or "
+                          f"checkpoint directory, got {m.hf_weights}")
     if ":" not in m.factory:
         raise ConfigError(f"key 'model.factory': expected 'package.module:callable', got {m.factory!r}")
     if p.tp != "auto" and m.factory == GPT_FACTORY and m.hf_config is None and m.n_head % p.tp:

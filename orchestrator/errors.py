@@ -25,6 +25,10 @@ class PlanError(UserError):
     """No plan satisfies the constraints, or a forced plan cannot run."""
 
 
+class ModelTooLarge(PlanError):
+    """The model fits no plan on this cluster: not even its most memory-frugal one."""
+
+
 class PlacementError(UserError):
     """The cluster cannot hold the plan (missing nodes, GPUs, or a layout mismatch)."""
 

@@ -40,3 +40,21 @@ def test_the_job_loads_the_saved_weights(tmp_path: Path, tied: bool) -> None:
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
     ids = torch.randint(0, 300, (2, 16))
     assert torch.equal(loaded(ids).logits, saved(ids).logits)
+
+
+def test_a_model_built_on_meta_reads_no_weights(tmp_path: Path) -> None:
+    # The runtime builds on meta and loads each rank's slices once its shards exist
+    # (runtime/hf_weights.py); reading the whole file there would cost every rank the model.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from orchestrator.workloads.hf import build
+
+    transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors: reading it fails")
+    with torch.device("meta"):
+        model = build(str(tmp_path / "config.json"), str(junk))
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(Exception, match="(?i)header|safetensor"):
+        build(str(tmp_path / "config.json"), str(junk))  # built for real, it does read them

@@ -253,9 +253,11 @@ def test_zero1_with_tensor_parallelism_is_priced_as_the_zero2_it_runs_as():
 
 
 # All-gathers of the whole model and reduce-scatters of all gradients per step, for 8
-# micro-steps: zero2 gathers once and keeps the weights; zero3 gathers for forward and backward.
+# micro-steps reducing every one: zero2 gathers once and keeps the weights; zero3 gathers for
+# forward and backward.
 @pytest.mark.parametrize("strategy,gathers,scatters", [("zero2", 1, 8), ("zero3", 16, 8)])
 def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(strategy, gathers, scatters):
+    from orchestrator.choices import AccumSync
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
     from orchestrator.planning.mesh import Mesh
@@ -263,7 +265,7 @@ def test_fsdp_all_gather_moves_bf16_weights_and_reduce_scatter_fp32_gradients(st
     jobs = {p: _h100_job(p) for p in ("bf16", "fp32")}
     mesh = Mesh(dp_replicate=1, dp_shard=8, tp=1)
     cl = cluster_layout(Wirings.of(jobs["fp32"][1]), mesh)
-    choice = Choice(strategy, mesh, micro_batch=1, recompute="none")
+    choice = Choice(strategy, mesh, micro_batch=1, recompute="none", accum_sync=AccumSync.per_micro_step)
     est = {p: estimate(ctx, cl, choice) for p, (ctx, _) in jobs.items()}
     # Weights cross the wire in FSDP2's param_dtype: half the all-gather bytes under bf16...
     assert est["bf16"].comm_parts["param all-gather"] < 0.55 * est["fp32"].comm_parts["param all-gather"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import JobConfig
-from ..errors import PlanError
+from ..errors import ModelTooLarge, PlanError
 from ..planning import Plan, plan_job
 from ..planning.cluster_view import LeftOut
 from ..planning.model_spec import ModelSpec
@@ -59,6 +59,8 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
         if plan.fits:
             return plan, topology, None
         first = PlanError(f"the plan does not fit: {plan.reason}")
+    except ModelTooLarge:
+        raise  # fewer devices only make it larger per device
     except PlanError as e:
         first = e
     others: set[str] = set()  # why each smaller world failed

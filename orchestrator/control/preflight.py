@@ -22,6 +22,8 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
     spec = model_spec(cfg.model, model_fn)
     if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
         _check_pipeline_contract(cfg, model_fn)
+    if cfg.model.hf_weights:
+        _check_weights(cfg, model_fn)
     return spec
 
 
@@ -39,3 +41,12 @@ def _check_pipeline_contract(cfg: JobConfig, model_fn: Callable[..., Any] | None
         pipeline_parts(model)
     except PlanError as e:
         raise ConfigError(f"key 'parallel.pp': {e}") from None
+
+
+def _check_weights(cfg: JobConfig, model_fn: Callable[..., Any] | None) -> None:
+    """Weights that do not fit the model (missing or extra names, other shapes) are refused
+    here from the file's headers, in one line, before any worker spends memory on them."""
+    from ..runtime.hf_weights import check_weights
+    from ..runtime.materialize import build_on_meta
+
+    check_weights(build_on_meta(cfg.model, model_fn), cfg.model.hf_weights)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..choices import Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
+from ..choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
 from .comm import (
     GLOO_LAUNCH_US,
     LAUNCH_S,
@@ -81,6 +81,9 @@ class Choice:
     """The pipeline schedule (with mesh.pp > 1)."""
     virtual: int = 1
     """Chunks per pipeline rank (interleaved schedules)."""
+    accum_sync: AccumSync = AccumSync.last_micro_step
+    """When gradients are reduced under accumulation (a choice only where FSDP2 reduces them
+    without a pipeline; see `resolve`)."""
 
 
 @dataclass
@@ -135,7 +138,22 @@ def execution(ctx: JobContext, c: Choice) -> Execution:
             raise Unsupported(str(e)) from e
     return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
                    compression=c.compression, algorithm=c.algorithm, bucket_mb=c.bucket_mb or 25.0,
-                   max_steps=ctx.max_steps, pipeline=pipeline)
+                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=c.accum_sync)
+
+
+def accum_steps(ctx: JobContext, c: Choice) -> int:
+    """Micro-steps per optimizer step of choice `c` (a pipeline's micro-batches)."""
+    return ctx.global_batch // (c.mesh.dp * c.micro_batch)
+
+
+def held_grad_bytes(ex: Execution, layout: ByteLayout, accum: int) -> int | None:
+    """Bytes per parameter of the unsharded gradient FSDP2 keeps between micro-steps when it
+    reduces on the last one only: its reduce dtype (fp32, or the 16-bit compression dtype;
+    `comm_hooks.fsdp_policy`). None where nothing is kept that way: DDP-style reducers keep
+    their whole gradients in the `grads` layout anyway, and one micro-step keeps nothing."""
+    if ex.ddp_reduces or ex.reduce_every_micro_step or accum <= 1:
+        return None
+    return min(2, layout.grads) if ex.compression in (Compression.fp16, Compression.bf16) else layout.grads
 
 
 def tp_all_reduces_per_block(shape: ModelShape) -> tuple[int, int]:
@@ -157,7 +175,11 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     ex = execution(ctx, c)
     pl = ex.pipeline
     tp, dp = c.mesh.tp, c.mesh.dp
-    accum = ctx.global_batch // (dp * c.micro_batch)
+    accum = accum_steps(ctx, c)
+    # Gradient reductions per step: every micro-step, or only the last one's (`no_sync()` before
+    # it; a pipeline's stages always sync so).
+    syncs = accum if ex.reduce_every_micro_step else 1
+    held = held_grad_bytes(ex, lay, accum)
     # With a pipeline the accumulation steps are its micro-batches, and a rank holds and runs
     # its stage; the slowest stage sets the pace of the whole pipeline.
     slow = slowest_stage(shape, pl)
@@ -187,8 +209,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
     fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
     # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
-    held = ex.wrapping if pl else c.strategy
-    st = runtime_states(held, shape, tp, ex.shard_group, lay, share)
+    st = runtime_states(ex.wrapping if pl else c.strategy, shape, tp, ex.shard_group, lay, share)
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
     bubble_s = mm * pl.bubble if pl else 0.0
 
@@ -232,6 +253,11 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     grad_wire = wire_bytes_per_grad(ex.compression, lay.grads, ctx.powersgd_ratio,
                                     ex.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
     grad_bytes = p_rank * grad_wire
+    if held is not None and ctx.on_gpu:
+        # Each micro-step after the first adds its gradient into FSDP2's kept unsharded one (a
+        # read of both and a write, in device memory); reducing every micro-step would copy it
+        # into the reduce-scatter's input instead (`copy_in` below).
+        compute_s += (accum - 1) * p_rank * (lay.compute + 2 * held) / (ctx.speed.mem_gbps * 1e9)
     overlap = ctx.on_gpu
     exposed = tp_s
     schedule = "none (one data-parallel rank)"
@@ -243,7 +269,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             algo = str(ex.sync_algorithm)
             red, schedule = group_all_reduce(grad_bytes, gl, algo)
             tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, algo)
-            parts["grad all-reduce"] = red
+            parts["grad all-reduce"] = syncs * red
             schedule += flat_note
         else:
             red = group_reduce_scatter(grad_bytes, gl)
@@ -253,7 +279,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             schedule = "flat ring reduce-scatter + all-gather" if gl.size > 1 else schedule
             schedule += flat_note
             exposed += gather
-        exposed += (overlapped(red, bwd) + tail) if overlap and gl.size > 1 else red
+        exposed += syncs * ((overlapped(red, bwd) + tail) if overlap and gl.size > 1 else red)
     else:
         gl = group_links(ctx, cl, "dp_shard")
         bucket_mb = block * grad_wire / MB
@@ -275,11 +301,8 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             copy_in = 2 * grad_bytes / (ctx.speed.mem_gbps * 1e9)
         else:
             copy_out = copy_in = 0.0
-        # Under a pipeline FSDP2 reduce-scatters once, after the last micro-batch's backward
-        # (torch's stages turn gradient sync off for the others).
-        syncs = 1 if pl else accum
         if not ex.reshard_after_forward:
-            # Gradients reduce-scattered every micro-step; weights gathered once, kept to the end.
+            # Weights gathered once, kept to the end; gradients reduce-scattered `syncs` times.
             parts["grad reduce-scatter"], parts["param all-gather"] = syncs * rs, ag
             compute_s += copy_out + syncs * copy_in
             if overlap:
@@ -287,27 +310,30 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             else:
                 exposed += syncs * rs + ag
         else:
-            # ZeRO-3 / FSDP: gather forward, gather again for backward, reduce-scatter, per micro-step.
-            parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, accum * rs
-            compute_s += accum * (2 * copy_out + copy_in)
+            # ZeRO-3 / FSDP: gather forward and again for backward every micro-step; reduce-scatter
+            # on `syncs` of them, beside that micro-step's backward gathers.
+            parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, syncs * rs
+            compute_s += accum * 2 * copy_out + syncs * copy_in
             if overlap:
-                exposed += accum * (overlapped(ag, fwd) + overlapped(ag + rs, bwd) + ag_block + rs_block)
+                exposed += (accum * (overlapped(ag, fwd) + ag_block) + (accum - syncs) * overlapped(ag, bwd)
+                            + syncs * (overlapped(ag + rs, bwd) + rs_block))
             else:
-                exposed += accum * (2 * ag + rs)
+                exposed += accum * 2 * ag + syncs * rs
         schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
         if ex.fsdp_replicates:
             # FSDP2 all-reduces across replicas in one flat group: hsdp's mesh is the hierarchy.
             rl = group_links(ctx, cl, "dp_replicate")
             ar, sched = group_all_reduce(grad_bytes / ex.shard_group, rl, "flat")
-            parts["replica all-reduce"] = ar
-            exposed += ar
+            parts["replica all-reduce"] = syncs * ar
+            exposed += syncs * ar
             schedule = f"{schedule}; replicas: {sched}"
         schedule += flat_note
     comm_s = sum(parts.values())
     algorithm = "hierarchical" if schedule.startswith("hierarchical") else "flat"
     sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=SyncAlgorithm(algorithm), compression=ex.compression,
-                    grad_accum_steps=accum, overlap=overlap)
-    mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0)
+                    grad_accum_steps=accum, overlap=overlap,
+                    accum_sync=AccumSync.per_micro_step if ex.reduce_every_micro_step else AccumSync.last_micro_step)
+    mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0, held)
     return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s,
                     exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule,
                     bubble_s=bubble_s)
@@ -343,22 +369,25 @@ def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> floa
     return launch + lat_us * 1e-6 + nbytes / (gbps * 1e9)
 
 
-def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float) -> MemoryBreakdown:
+def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float,
+                 held: int | None = None) -> MemoryBreakdown:
     """Peak bytes of the fullest rank: every pipeline stage differs (the first holds the
-    embeddings and the most micro-batches in flight, the last the head and the logits)."""
+    embeddings and the most micro-batches in flight, the last the head and the logits).
+    `held`: FSDP2's unsharded gradient bytes per parameter kept between micro-steps."""
     # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
-    held = ex.wrapping if ex.pipeline else c.strategy
-    args = (held, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
+    wrapping = ex.wrapping if ex.pipeline else c.strategy
+    args = (wrapping, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
             ctx.on_gpu)
     pl = ex.pipeline
     if pl is None:
-        return rank_memory(*args)
+        return rank_memory(*args, held_grad_bytes=held)
     # Activations in flight fall with the stage index and blocks differ by at most one between
     # middle stages, so the fullest rank is the first, the second, the last, or the first middle
     # stage with the most blocks.
     middle = range(1, pl.stages - 1)
     most = max(middle, key=lambda s: stage_share(ctx.shape, pl, s).blocks, default=0)
-    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s), in_flight=pl.in_flight(s))
+    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s), in_flight=pl.in_flight(s),
+                            held_grad_bytes=held)
                 for s in sorted({0, min(1, pl.stages - 1), most, pl.stages - 1})), key=lambda m: m.total)
 
 

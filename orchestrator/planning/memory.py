@@ -137,7 +137,9 @@ class StateBytes:
     params: float
     """Weights at rest: the rank's shard under FSDP2, all of them under DDP and ZeRO-1."""
     grads: float
-    """Gradients as the optimizer step sees them (sharded under FSDP2)."""
+    """Gradients as the optimizer step sees them (sharded under FSDP2); or, where FSDP2 reduces
+    on the last micro-step only, the unsharded gradients it accumulates until then, which are
+    what the peak holds."""
     optimizer: float
     """Adam moments (and master weights) of the parameters this rank steps."""
     gathered: float
@@ -148,7 +150,7 @@ class StateBytes:
 
 
 def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout,
-                   share: StageShare | None = None) -> StateBytes:
+                   share: StageShare | None = None, held_grad_bytes: int | None = None) -> StateBytes:
     """Model-state bytes one rank keeps under the runtime's wrapping of the GPT.
 
     ddp and zero1 keep what ZeRO counts. FSDP2 (zero2, zero3, hsdp) shards every weight over
@@ -161,6 +163,13 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     computed plus the one being prefetched. Gathered weights and their unsharded gradients are
     in the layout's `compute` dtype (FSDP2's param_dtype); the shards are fp32. With a pipeline,
     `share` is what the rank's stage holds (its blocks; the embeddings or the head).
+
+    `held_grad_bytes` is for FSDP2 accumulating over micro-steps with gradient sync off until
+    the last one (`no_sync()`, or a pipeline's stages): it keeps each parameter's whole
+    unsharded gradient, upcast to its reduce dtype (`to_accumulated_grad_if_needed`), at this
+    many bytes per parameter from the first micro-step's backward to the last one's reduce-scatter,
+    while the sharded gradients do not exist yet (the optimizer zeroes them to None). None: it
+    reduce-scatters every micro-step (or there is one) and keeps sharded gradients.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -179,6 +188,8 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
         w, g, k = model_states(strategy, p, shard, layout)
         return StateBytes(w, g, k, 0.0, 0.0)
     w, g, k = (p * b / shard for b in (layout.weights, layout.grads, layout.optimizer))
+    if held_grad_bytes is not None:
+        g = p * held_grad_bytes
     blocks = shape.layers if share is None else share.blocks
     if strategy == "zero2":
         gathered = p * layout.compute
@@ -218,6 +229,7 @@ def rank_memory(
     on_gpu: bool = True,
     share: StageShare | None = None,
     in_flight: float = 1.0,
+    held_grad_bytes: int | None = None,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
     micro-batch's activations, transient buffers.
@@ -229,9 +241,10 @@ def rank_memory(
 
     A pipeline rank (`share`) keeps its own blocks' activations for `in_flight` micro-batches
     (`Pipeline.in_flight`: up to p on the first stage under 1F1B); the head's logits and the
-    loss sit on the last stage.
+    loss sit on the last stage. `held_grad_bytes`: FSDP2's unsharded gradients kept between
+    micro-steps (`runtime_states`).
     """
-    st = runtime_states(strategy, shape, tp, shard, layout, share)
+    st = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
     w, g, k = st.params, st.grads, st.optimizer
     if share is None:
         profile = activation_profile(shape, micro_batch, tp, recompute, layout.activation)

@@ -10,13 +10,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from ..choices import Choice, Compression, Precision, Recompute, Strategy, SyncAlgorithm
+from ..choices import AccumSync, Choice, Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
-from ..errors import PlanError
+from ..errors import ModelTooLarge, PlanError
 from ..topology.model import ClusterTopology, Device
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed, unlisted_note
-from .cost import Estimate, JobContext, ties_head
+from .cost import Estimate, JobContext, estimate, ties_head
 from .gpus import known_names, lookup
 from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
@@ -128,6 +128,8 @@ def _execution_from_dict(d: dict[str, Any]) -> Execution:
         recompute=Recompute(d["recompute"]), bucket_mb=float(d["bucket_mb"]), flat_reason=d.get("flat_reason", ""),
         notes=tuple(d.get("notes", ())),
         pipeline=None if d.get("pipeline") is None else Pipeline.from_dict(d["pipeline"]),
+        # Plans written before the choice existed ran every micro-step but the last in no_sync().
+        reduce_every_micro_step=bool(d.get("reduce_every_micro_step", False)),
     )
 
 
@@ -348,6 +350,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
                                  if cl.mesh.size(a) > 1))
     lines.append(f"gradient sync: {e.schedule}; bucket {e.sync.bucket_mb:g} MB, compression {e.sync.compression}, "
                  f"overlap {'on' if e.sync.overlap else 'off (gloo shares the CPU cores with compute)'}")
+    if e.sync.grad_accum_steps > 1:
+        lines.append(accum_line(e, ctx, cl, cons))
     if res.fits:
         fitting = [r for r in res.runners_up if r.fits(ctx.usable_bytes)]
         why = f"fastest of {len(fitting) + 1} fitting (strategy, mesh) choices, {res.evaluated} candidates estimated"
@@ -370,6 +374,56 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
                      "DDP comm hooks, which a pipeline's FSDP2 stages do not run (parallel.pp=2 forces one)")
     lines += [f"runs as: {note}" for note in e.execution.notes]
     return lines
+
+
+GRAD_PARTS = ("grad all-reduce", "grad reduce-scatter", "replica all-reduce")
+"""The `Estimate.comm_parts` that carry gradients."""
+
+
+def _grad_traffic(e: Estimate) -> float:
+    return sum(e.comm_parts.get(k, 0.0) for k in GRAD_PARTS)
+
+
+def accum_line(e: Estimate, ctx: JobContext, cl: ClusterLayout, cons: Constraints) -> str:
+    """One line: when the plan reduces gradients under accumulation, and why (the memory or the
+    time of the other way, priced on the same plan)."""
+    ex, accum, chosen = e.execution, e.sync.grad_accum_steps, e.sync.accum_sync
+    head = f"gradient accumulation: {chosen}"
+    if ex.pipeline is not None:
+        return (f"{head}: torch's pipeline stages keep gradient sync off until the last of the {accum} micro-batches, "
+                f"so each rank keeps its stage's unsharded gradients ({_gb(e.memory.grads)}) until then")
+    if ex.ddp_reduces:
+        return (f"{head}: {ex.wrapping} keeps whole gradients ({_gb(e.memory.grads)}) between micro-steps either way "
+                f"and reduces them once, on the last of the {accum}")
+    forced = f" (forced: parallel.accum_sync={cons.accum_sync})" if cons.accum_sync is not None else ""
+    other = estimate(ctx, cl, replace(e.choice, accum_sync=AccumSync.per_micro_step
+                                      if chosen == AccumSync.last_micro_step else AccumSync.last_micro_step))
+    usable = ctx.usable_bytes
+    dtype = str(ex.compression) if ex.compression in (Compression.fp16, Compression.bf16) else "fp32"
+    if chosen == AccumSync.last_micro_step:
+        last, per = e, other
+        what = (f"FSDP2 keeps the unsharded {dtype} gradients ({_gb(e.memory.grads)} per rank) until the last of the "
+                f"{accum} micro-steps and reduces once")
+    else:
+        last, per = other, e
+        what = f"FSDP2 reduce-scatters after each of the {accum} micro-steps and keeps sharded gradients " \
+               f"({_gb(e.memory.grads)} per rank)"
+    saved = f"{(_grad_traffic(per) - _grad_traffic(last)) * 1e3:.2f} ms"
+    gain = per.total_s - last.total_s
+    pace = f"{abs(gain) * 1e3:.2f} ms per step {'faster' if gain >= 0 else 'slower'}"
+    if chosen == AccumSync.last_micro_step:
+        extra = e.memory.total - other.memory.total
+        cost = f"for {_gb(extra)} more per rank" if extra > 0 else "at no more memory (nothing to shard)"
+        why = f"{saved} less gradient traffic and {pace} than per_micro_step, {cost} " \
+              f"({_gb(e.memory.total)} of {_gb(usable)} usable)"
+    elif not last.fits(usable):
+        why = (f"keeping unsharded gradients until the last would save {saved} of gradient traffic but need "
+               f"{_gb(last.memory.total)} per rank, over the {_gb(usable)} usable")
+    else:
+        why = (f"last_micro_step would move {saved} less gradient traffic and be {pace}, for "
+               f"{_gb(last.memory.total - e.memory.total)} more per rank ({_gb(last.memory.total)} of "
+               f"{_gb(usable)} usable)")
+    return f"{head}{forced}: {what}: {why}"
 
 
 def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: ClusterTopology,
@@ -409,8 +463,10 @@ def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: Cluste
 def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None, *,
              left_out: tuple[LeftOut, ...] = ()) -> Plan:
     """Plan `cfg` on `topology`: the fastest plan that fits, or, when the config forces choices
-    that cannot fit, the forced plan with fits=False and the reason. PlanError only when
-    nothing at all can be planned (no devices, an unknown GPU, a batch no mesh divides).
+    that cannot fit, the forced plan with fits=False and the reason. PlanError when nothing at
+    all can be planned (no devices, an unknown GPU, a batch no mesh divides), when no plan at
+    all fits (`too_large`: the least memory it would need and what would help), and when a
+    forced `parallel.accum_sync` is all that keeps the plan from fitting.
 
     Nodes `plannable` leaves out (GPU-less nodes of a GPU cluster) run no rank; `left_out`
     adds those a caller already set aside, so the plan names them all. `spec` is the measured
@@ -439,17 +495,24 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
     if res.best is None:
         raise PlanError(_nothing_plannable(cfg, wirings, cons, shape, res))
     suggestion = ""
-    if not res.fits and cons.forced():
-        free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), tp_heads)
-        if free.best is not None and free.fits:
-            c = free.best.choice
-            suggestion = (f"without the forced choices, {c.strategy} on {c.mesh} with micro-batch "
-                          f"{c.micro_batch} and recompute {c.recompute} fits ({_gb(free.best.memory.total)} per rank)")
+    if not res.fits:
+        free = search(ctx, wirings, Constraints(allow_compression=cons.allow_compression), tp_heads) \
+            if cons.forced() else res
+        if free.best is None or not free.fits:
+            raise ModelTooLarge(too_large(ctx, wirings, free if free.best is not None else res,
+                                      f"model {spec.name}" if spec else "the GPT"))
+        if cons.accum_sync is not None:
+            relaxed = search(ctx, wirings, replace(cons, accum_sync=None), tp_heads)
+            if relaxed.best is not None and relaxed.fits:
+                raise PlanError(_forced_accum_does_not_fit(res.best, relaxed.best, ctx, cons.accum_sync))
+        c = free.best.choice
+        suggestion = (f"without the forced choices, {c.strategy} on {c.mesh} with micro-batch "
+                      f"{c.micro_batch} and recompute {c.recompute} fits ({_gb(free.best.memory.total)} per rank)")
     e, cl = res.best, res.layout
     if res.fits:
         reason = f"fastest plan that fits; {_fit_reason(e, ctx, True)}"
     else:
-        reason = _fit_reason(e, ctx, False) + (f"; {suggestion}" if suggestion else "; no plan fits this cluster")
+        reason = f"{_fit_reason(e, ctx, False)}; {suggestion}"  # a plan that fits nowhere raised above
     alternatives = [_alternative(r, r.fits(ctx.usable_bytes), e, ctx) for r in res.runners_up[:MAX_ALTERNATIVES]]
     alternatives += [Alternative(strategy=r.strategy, mesh=r.mesh, fits=False, reason=r.reason)
                      for r in res.rejected[:MAX_ALTERNATIVES]]
@@ -478,6 +541,58 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
                           + describe_domains(view, real) + nic_notes + [f"left out: {x}" for x in left_out]),
         left_out=left_out,
     )
+
+
+def too_large(ctx: JobContext, wirings: Wirings, res: SearchResult, name: str) -> str:
+    """One line for a model no plan fits: what its most memory-frugal plan (`res.best`, the
+    least memory of every candidate the search formed) needs against what a device has, which
+    levers that plan already pulls, and how many devices would hold it.
+
+    The device count scales that plan: its model states shard over every rank (full sharding,
+    and tensor and pipeline parallelism divide them too), its activations and buffers do not,
+    so `n` devices hold it once states x world / n + the rest fits the usable memory."""
+    e = res.best
+    assert e is not None
+    c, m, ex = e.choice, e.memory, e.execution
+    world, g = wirings.devices_per_node * len(wirings.node_index), wirings.devices_per_node
+    usable, unit = ctx.usable_bytes, "device" if ctx.on_gpu else "CPU slot"
+    nodes = len(wirings.node_index)
+    frugal = f"{c.strategy} on {c.mesh}, micro-batch {c.micro_batch}, recompute {c.recompute}"
+    if e.sync.grad_accum_steps > 1 and e.sync.accum_sync == AccumSync.per_micro_step:
+        frugal += ", gradients reduce-scattered every micro-step"
+    devices = f"{world} {ctx.speed.name}" if ctx.on_gpu else f"{world} CPU slots"
+    line = (f"{name} ({ctx.params / 1e9:.2f}B parameters) does not fit {devices} at any plan: the most "
+            f"memory-frugal one ({frugal}) needs {_gb(m.total)} per {unit}, {_gb(usable)} usable of "
+            f"{_gb(ctx.speed.memory_bytes)}")
+    spent = []
+    if c.recompute == Recompute.full:
+        spent.append("full recomputation")
+    if c.micro_batch == 1:
+        spent.append("micro-batch 1")
+    if ex.pipeline is not None:
+        spent.append(f"a pipeline of {ex.pipeline.stages} stages")
+    if spent:
+        line += f"; it already runs {', '.join(spent)} (activations {_gb(m.activations)})"
+    if nodes == 1 and ctx.shape.layers > 1 and (ctx.shape.spec is None or ctx.shape.spec.pipeline_ends):
+        line += "; pipelines are searched on 2 nodes or more (their stages fill whole nodes)"
+    states = m.params + m.grads + m.optimizer
+    rest = m.total - states
+    if rest >= usable:
+        return (line + f"; more {unit}s alone do not help: what does not shard over them (activations "
+                f"{_gb(m.activations)}, buffers {_gb(m.buffers)}) already needs more than that; a shorter sequence "
+                f"or a smaller model would")
+    need = math.ceil(world * states / (usable - rest))
+    return (line + f"; more {unit}s would: its model states ({_gb(states)} per {unit}) shard over them and "
+            f"{_gb(rest)} does not, so at least {need} {unit}s ({math.ceil(need / g)} nodes of {g})")
+
+
+def _forced_accum_does_not_fit(forced: Estimate, fits: Estimate, ctx: JobContext, accum: AccumSync) -> str:
+    """One line for a forced `parallel.accum_sync` that no plan fits while the other way does."""
+    other = fits.sync.accum_sync
+    return (f"key 'parallel.accum_sync': {accum} does not fit: at its least it needs {_gb(forced.memory.total)} per "
+            f"rank (gradients {_gb(forced.memory.grads)}), {_gb(ctx.usable_bytes)} usable; {other} fits "
+            f"({fits.choice.strategy} on {fits.choice.mesh}, {_gb(fits.memory.total)} per rank): use "
+            f"parallel.accum_sync={other} or auto")
 
 
 def _unlisted(topo: ClusterTopology, cfg: JobConfig) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
+from ..choices import AccumSync, Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from ..errors import PlanError
 from .mesh import Mesh
 from .pipeline import Pipeline
@@ -74,6 +74,12 @@ class Execution:
     pipeline: Pipeline | None = None
     """The pipeline that runs over the mesh's pp axis (stage split, schedule, micro-batches);
     None without one."""
+    reduce_every_micro_step: bool = False
+    """Under gradient accumulation, the runtime runs every micro-step with gradient sync on
+    (no `no_sync()`), so FSDP2 reduce-scatters after each backward and keeps only sharded
+    gradients; False: every micro-step but the last runs inside `no_sync()`, keeping whole
+    (DDP) or unsharded (FSDP2) gradients until the last one reduces them. Only an FSDP2
+    wrapping without a pipeline is ever True (`SyncPlan.accum_sync`)."""
 
     @property
     def world_size(self) -> int:
@@ -99,6 +105,11 @@ def wrapping_of(strategy: Strategy | str, tp: int) -> Strategy:
     return Strategy.zero2 if tp > 1 and strategy in (Strategy.ddp, Strategy.zero1) else strategy
 
 
+def accum_sync_of(ex: Execution) -> AccumSync:
+    """The accumulation sync `ex` runs, as a choice."""
+    return AccumSync.per_micro_step if ex.reduce_every_micro_step else AccumSync.last_micro_step
+
+
 def powersgd_warmup(max_steps: int) -> int:
     """Steps of plain all-reduce before PowerSGD compresses: about 10% of the run, at least 2."""
     return max(POWERSGD_MIN_WARMUP, round(POWERSGD_WARMUP_FRACTION * max_steps))
@@ -116,6 +127,7 @@ def resolve(
     bucket_mb: float = 25.0,
     max_steps: int = 0,
     pipeline: Pipeline | None = None,
+    accum_sync: AccumSync | str = AccumSync.last_micro_step,
 ) -> Execution:
     """How `strategy` on `mesh` runs; Unsupported when it cannot run at all.
 
@@ -124,12 +136,15 @@ def resolve(
     With pp > 1, `pipeline` (from `pipeline.resolve_pipeline`) says how the stages run; FSDP2
     then keeps gathered weights across the micro-batches (torchtitan's default with a
     pipeline: resharding after every micro-batch's forward would all-gather m times).
+    `accum_sync=per_micro_step` reduces gradients every micro-step where FSDP2 reduces them
+    without a pipeline; elsewhere it runs as `last_micro_step`, with a note.
     """
     if device not in DEVICE_KINDS:
         raise ValueError(f"device kind must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
     strategy, recompute = Strategy(strategy), Recompute(recompute)
-    compression, algorithm = Compression(compression), SyncAlgorithm(algorithm)
-    if strategy == Strategy.auto or recompute == Recompute.auto or compression == Compression.auto:
+    compression, algorithm, accum_sync = Compression(compression), SyncAlgorithm(algorithm), AccumSync(accum_sync)
+    if strategy == Strategy.auto or recompute == Recompute.auto or compression == Compression.auto \
+            or accum_sync == AccumSync.auto:
         raise ValueError("resolve takes concrete choices; `auto` is the planner's to decide")
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
@@ -187,6 +202,16 @@ def resolve(
         notes.append(f"{strategy} with pp={mesh.pp} keeps gathered weights through the step (no reshard after "
                      f"forward): each of the {pipeline.microbatches} micro-batches would otherwise all-gather them")
 
+    reduce_every = accum_sync == AccumSync.per_micro_step
+    if reduce_every and ddp_reduces:
+        notes.append(f"gradients reduced on the last micro-step only, not every one: {wrapping} keeps whole "
+                     "gradients between micro-steps either way, so reducing each would only add traffic")
+        reduce_every = False
+    elif reduce_every and pipeline is not None:
+        notes.append(f"gradients reduced after the last micro-batch only, not every one: torch's pipeline stages "
+                     f"keep gradient sync off until the last of the {pipeline.microbatches} micro-batches")
+        reduce_every = False
+
     why_flat = ""
     if not ddp_reduces:
         why_flat = ("hsdp's mesh already is the hierarchy (shards inside, replicas across) and FSDP2 has no comm hook "
@@ -211,6 +236,7 @@ def resolve(
         autocast=autocast, param_dtype=autocast or Precision.fp32, loss_scaling=loss_scaling,
         sync_algorithm=algorithm, compression=compression, compression_warmup_steps=warmup,
         recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes), pipeline=pipeline,
+        reduce_every_micro_step=reduce_every,
     )
 
 
@@ -222,5 +248,5 @@ def on_device(ex: Execution, device: str, precision: Precision | str, requested:
         return ex
     again = resolve(ex.strategy, ex.mesh, precision=precision, device=device, recompute=ex.recompute,
                     compression=requested, algorithm=ex.sync_algorithm, bucket_mb=ex.bucket_mb, max_steps=max_steps,
-                    pipeline=ex.pipeline)
+                    pipeline=ex.pipeline, accum_sync=accum_sync_of(ex))
     return replace(again, notes=again.notes + (f"planned for {ex.device} ranks, running on {device}",))

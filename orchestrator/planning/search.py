@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..choices import Compression, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
+from ..choices import AccumSync, Compression, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
 from .cost import Choice, Estimate, JobContext, compute_floor, estimate
 from .layout import ClusterLayout, Wirings, cluster_layout
@@ -49,6 +49,7 @@ class Constraints:
     pp: int | None = None
     pp_schedule: PipelineSchedule | None = None
     pp_microbatches: int | None = None
+    accum_sync: AccumSync | None = None
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> "Constraints":
@@ -70,6 +71,7 @@ class Constraints:
             pp=fixed(p.pp),
             pp_schedule=fixed(p.pp_schedule),
             pp_microbatches=fixed(p.pp_microbatches),
+            accum_sync=fixed(p.accum_sync),
         )
 
     def forced(self) -> list[str]:
@@ -78,7 +80,8 @@ class Constraints:
                 ("train.micro_batch_size", self.micro_batch), ("parallel.recompute", self.recompute),
                 ("parallel.compression", self.compression),
                 ("parallel.sync", None if self.algorithm == "auto" else self.algorithm), ("parallel.pp", self.pp),
-                ("parallel.pp_schedule", self.pp_schedule), ("parallel.pp_microbatches", self.pp_microbatches))
+                ("parallel.pp_schedule", self.pp_schedule), ("parallel.pp_microbatches", self.pp_microbatches),
+                ("parallel.accum_sync", self.accum_sync))
         return [f"{k}={v}" for k, v in keys if v is not None]
 
 
@@ -111,9 +114,10 @@ _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
 
 def _simplicity(e: Estimate) -> tuple:
     c = e.choice
-    # A pipeline is the bigger step away from plain data parallelism: among near ties, fewer stages first.
+    # A pipeline is the bigger step away from plain data parallelism: among near ties, fewer stages
+    # first; and reducing once per step (less traffic) before reducing every micro-step.
     return (c.mesh.pp, c.virtual, _SIMPLICITY[c.strategy], c.mesh.tp, RECOMPUTES.index(c.recompute),
-            c.compression != Compression.none, -c.micro_batch)
+            c.compression != Compression.none, -c.micro_batch, c.accum_sync == AccumSync.per_micro_step)
 
 
 def asks_for_ddp_hooks(cons: Constraints) -> bool:
@@ -196,6 +200,22 @@ def _compressions(strategy: Strategy, tp: int, ctx: JobContext) -> list[Compress
     return out
 
 
+def accum_syncs(strategy: Strategy, mesh: Mesh, accum: int, cons: Constraints) -> tuple[AccumSync, ...]:
+    """The accumulation syncs to price for a candidate: both where FSDP2 reduces without a
+    pipeline over several micro-steps (ZeRO's sharded gradients and traffic x accum, or
+    unsharded gradients and one reduction); `last_micro_step` where that is all that runs (DDP
+    and ZeRO-1 keep whole gradients anyway, torch's pipeline stages sync on the last
+    micro-batch) or one micro-step makes it moot; a forced one as forced (`resolve` notes where
+    it cannot run)."""
+    if accum <= 1:
+        return (AccumSync.last_micro_step,)
+    if cons.accum_sync is not None:
+        return (cons.accum_sync,)
+    if mesh.pp > 1 or wrapping_of(strategy, mesh.tp) in (Strategy.ddp, Strategy.zero1):
+        return (AccumSync.last_micro_step,)
+    return (AccumSync.last_micro_step, AccumSync.per_micro_step)
+
+
 def _fastest(cands: list[Estimate]) -> Estimate:
     best_t = min(e.total_s for e in cands)
     near = [e for e in cands if e.total_s <= best_t * (1 + NEAR_TIE)]
@@ -266,15 +286,16 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
                     if mesh.pp > 1 and (mb in fitted or compute_floor(ctx, mesh, mb, rc) > fastest * (1 + NEAR_TIE)):
                         continue  # less recomputation already fits (and is faster), or it cannot win
                     for sched, v in schedules_for(mesh.pp, per_rank // mb, cons.pp_schedule, ctx.shape.layers):
-                        ch = Choice(strategy, mesh, mb, rc, cons.compression or Compression.none, cons.algorithm,
-                                    cons.bucket_mb, sched, v)
-                        e = estimate(ctx, cl, ch)
-                        evaluated += 1
-                        if e.fits(ctx.usable_bytes):
-                            fitting.append(e)
-                            fitted.add(mb)
-                        elif closest is None or e.memory.total < closest.memory.total:
-                            closest = e
+                        for acc in accum_syncs(strategy, mesh, per_rank // mb, cons):
+                            ch = Choice(strategy, mesh, mb, rc, cons.compression or Compression.none, cons.algorithm,
+                                        cons.bucket_mb, sched, v, acc)
+                            e = estimate(ctx, cl, ch)
+                            evaluated += 1
+                            if e.fits(ctx.usable_bytes):
+                                fitting.append(e)
+                                fitted.add(mb)
+                            elif closest is None or e.memory.total < closest.memory.total:
+                                closest = e
         except Unsupported as e:
             rejected.append(Rejected(strategy, mesh, str(e)))
             continue

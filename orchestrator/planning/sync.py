@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..choices import Compression, SyncAlgorithm
+from ..choices import AccumSync, Compression, SyncAlgorithm
 from .comm import LAUNCH_S, bus_factor
 from .model_math import ModelShape
 
@@ -37,19 +37,26 @@ class SyncPlan:
     compression: Compression
     """`none`, `fp16`, `bf16` (DDP comm hook / FSDP reduce_dtype) or `powersgd` (DDP comm hook)."""
     grad_accum_steps: int
-    """Micro-steps per optimizer step; gradients are synchronised on the last one only."""
+    """Micro-steps per optimizer step (`accum_sync` says on which of them gradients are reduced)."""
     overlap: bool = True
     """Whether reduction overlaps with backward (off on CPU, where gloo competes with compute)."""
+    accum_sync: AccumSync = AccumSync.last_micro_step
+    """`per_micro_step`: FSDP2 reduce-scatters every micro-step and keeps sharded gradients;
+    `last_micro_step`: gradients stay whole (DDP, ZeRO-1) or unsharded (FSDP2, pipelines) until
+    the last micro-step, which reduces once. With one micro-step the two are the same and the
+    plan records `last_micro_step`; so do plans written before the choice existed, which ran so."""
 
     def to_dict(self) -> dict:
         return {"bucket_mb": self.bucket_mb, "algorithm": str(self.algorithm), "compression": str(self.compression),
-                "grad_accum_steps": self.grad_accum_steps, "overlap": self.overlap}
+                "grad_accum_steps": self.grad_accum_steps, "overlap": self.overlap,
+                "accum_sync": str(self.accum_sync)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SyncPlan":
         return cls(bucket_mb=float(d["bucket_mb"]), algorithm=SyncAlgorithm(d["algorithm"]),
                    compression=Compression(d["compression"]), grad_accum_steps=int(d["grad_accum_steps"]),
-                   overlap=bool(d.get("overlap", True)))
+                   overlap=bool(d.get("overlap", True)),
+                   accum_sync=AccumSync(d.get("accum_sync", AccumSync.last_micro_step)))
 
 
 def auto_bucket_mb(grad_bytes: float, p: int, bw_gbps: float, lat_us: float) -> float:

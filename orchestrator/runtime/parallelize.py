@@ -288,8 +288,11 @@ def parallelize(
     device: torch.device,
     node_of_rank: tuple[str, ...] | None = None,
     static_graph: bool = False,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> Parallelized:
-    """Wrap `model` (already initialised identically on every rank) as `ex` says on `mesh`.
+    """Wrap `model` as `ex` says on `mesh`: a model initialised identically on every rank, or
+    one whose parameters are on the meta device, which `materialize` allocates and fills once
+    the model is sharded (each rank then only ever holds its own shards).
 
     Order follows torchtitan: tensor parallelism, then activation checkpointing, then data
     parallelism, then the optimizer over the resulting (possibly sharded) parameters.
@@ -300,13 +303,20 @@ def parallelize(
         raise ValueError(f"mesh must come from build_mesh with axes {AXES}; got {mesh.mesh_dim_names}")
     if tuple(mesh.mesh.shape) != ex.mesh.shape:
         raise ValueError(f"the device mesh has shape {tuple(mesh.mesh.shape)}, the execution is for {ex.mesh}")
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and materialize is None:
+        raise ValueError("the model's parameters are on the meta device and no materialize step was given")
     notes: list[str] = list(ex.notes)
-    model.to(device)
+    if not on_meta:
+        model.to(device)
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     apply_recompute(model, ex.recompute)
 
     if ex.ddp_reduces:
+        if on_meta:
+            # DDP replicates whole weights: they exist before it wraps (it broadcasts rank 0's).
+            materialize(model)
         group = _dp_mesh(mesh).get_group()
         ddp = DistributedDataParallel(
             model,
@@ -333,4 +343,6 @@ def parallelize(
         fully_shard(blocks[key], mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     # The root holds the embeddings and the output head, so a tied weight has one owner.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
+    if on_meta:
+        materialize(model)  # sharded now: each rank allocates its own shards only
     return Parallelized(model, make_optimizer(model), notes)

@@ -1,8 +1,10 @@
 """The training loop of one rank, free of Ray: a worker actor drives it, so can torchrun.
 
 One optimizer step = `grad_accum_steps` micro-steps over this rank's data-parallel share of
-the step's global batch; gradient sync happens only on the last micro-step. The loss logged
-is the mean over the whole global batch, the same number a single process would print.
+the step's global batch; gradients are synchronised on the last micro-step, or on every one
+where the plan reduce-scatters sharded gradients each micro-step (`reduce_every_micro_step`).
+The loss logged is the mean over the whole global batch, the same number a single process
+would print.
 With pp > 1 the micro-steps are the pipeline's micro-batches, run by torch's schedule over the
 stages (`pipeline.py`); the loss comes from the last stage.
 """
@@ -27,6 +29,8 @@ from ..planning import Plan
 from ..planning.resolve import on_device
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
+from .hf_weights import check_weights, load_weights
+from .materialize import allocate, build_on_meta, init_recipe, materialize
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .pipeline import Pipelined, build_pipeline
 from .schedule import lr_at
@@ -52,7 +56,7 @@ class Trainer:
     """Model, data, optimizer and loop of one rank under a plan."""
 
     def __init__(self, cfg: JobConfig, plan: Plan, device: torch.device,
-                 model_fn: Callable[..., Any] | None = None) -> None:
+                 model_fn: Callable[..., Any] | None = None, data: Any | None = None) -> None:
         self.cfg = cfg
         self.plan = plan
         self.device = device
@@ -74,12 +78,12 @@ class Trainer:
                 f"data-parallel {self.dp_world} != train.global_batch_size {gb}"
             )
         ex = self.execution
+        self.build_notes: list[str] = []
+        """How the model was built where it differs from the meta build (one sentence each)."""
         self.autocast_dtype = _DTYPES.get(ex.autocast) if ex.autocast else None
 
-        torch.manual_seed(cfg.train.seed)  # same init on every rank, before any sharding
         m = cfg.model
-        # The job's factory (or the Python API's callable); the same seed gives every rank one init.
-        model = build_model(m, model_fn)
+        model, materialize = self._build(model_fn)
         # Checkpoints name a tied parameter once, whichever stage or wrapper holds it.
         self.aliases = tied_aliases(model)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -95,19 +99,47 @@ class Trainer:
                 raise RuntimeError(f"the pipeline runs {ex.pipeline.microbatches} micro-batches but the plan "
                                    f"accumulates {self.accum}: they are the same thing under a pipeline")
             # Split first, then move: each rank puts only its own stage on the device.
-            self.par = build_pipeline(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank)
+            self.par = build_pipeline(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
+                                      materialize=materialize)
         else:
-            model.to(device)
-            self.par = parallelize(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank)
+            self.par = parallelize(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
+                                   materialize=materialize)
+        del model  # a pipeline rank keeps only its own stage's modules
+        if m.hf_weights:
+            # Every rank takes part (it is collective), each reading only its own slices.
+            parts = self.par.modules if self.pipelined else [self.par.model]
+            load_weights(parts, m.hf_weights, self.aliases)
         # Ranks holding the reported loss: all of them, or the last pipeline stage's.
         self.loss_ranks = self.world // plan.mesh.pp
         d = cfg.data
-        self.data = open_data(d.path, d.val_path, d.val_fraction, m.block_size, t.seed, vocab_size=m.vocab_size)
+        # `data`: anything with open_data's train_batch/val_batch (a rehearsal's stand-in tokens).
+        self.data = data if data is not None else open_data(d.path, d.val_path, d.val_fraction, m.block_size,
+                                                            t.seed, vocab_size=m.vocab_size)
         # fp16's narrow range needs loss scaling (bf16 does not); resolve admits fp16 with DDP
         # only, where every rank holds whole gradients and the scaler's inf check agrees.
         self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
         self.tokens_per_step = gb * m.block_size
         self.compute_micro_s: float | None = None
+
+    def _build(self, model_fn: Callable[..., Any] | None):
+        """The model on the meta device and how to allocate and initialise it once sharded
+        (`materialize.py`: the same full weights under every plan, and no rank ever holds more
+        than its shards); or, for a model with a module that cannot be initialised on its own,
+        the whole model on this host from the job's seed, as every rank builds it."""
+        m, seed = self.cfg.model, self.cfg.train.seed
+        model = build_on_meta(m, model_fn)
+        if m.hf_weights:
+            # Checked from the file's headers against the whole model, before any memory is
+            # spent; every parameter then comes from the file, so none is initialised.
+            check_weights(model, m.hf_weights)
+            return model, lambda mod: allocate(mod, self.device)
+        recipe, why = init_recipe(model, seed)
+        if recipe is not None:
+            aliases = tied_aliases(model)
+            return model, lambda mod: materialize(mod, recipe, self.device, aliases)
+        self.build_notes.append(f"the model is built whole on every rank's host: {why}")
+        torch.manual_seed(seed)  # the same seed gives every rank one init, before any sharding
+        return build_model(m, model_fn), None
 
     def load_checkpoint(self, path: str) -> int:
         """Load model and optimizer from a committed checkpoint (any world size or strategy DCP
@@ -207,12 +239,15 @@ class Trainer:
         model = self.par.model
         model.train()
         total = torch.zeros((), device=self.device)
+        every = self.execution.reduce_every_micro_step
         for i in range(self.accum):
             sl = slice(i * self.micro, (i + 1) * self.micro)
-            last = i == self.accum - 1
-            # Gradients are reduced on the last micro-step only; forward and backward both sit
-            # inside no_sync because DDP decides at forward time whether backward will sync.
-            with contextlib.nullcontext() if last else self.par.no_sync():
+            sync = every or i == self.accum - 1
+            # The plan's choice: reduce-scatter every micro-step (FSDP2 then keeps only sharded
+            # gradients between them), or only on the last (unsharded gradients live until then,
+            # one reduction). Forward and backward both sit inside no_sync because DDP decides
+            # at forward time whether backward will sync.
+            with contextlib.nullcontext() if sync else self.par.no_sync():
                 with self._autocast():
                     loss = self._loss(model, x[sl], y[sl]) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()

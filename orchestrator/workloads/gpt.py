@@ -101,20 +101,18 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
-        self.apply(self._init_weights)
-        # GPT-2's scaled init of the residual projections: 0.02 / sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for name, module in self.named_modules():
+            self.init_module(module, name)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
+    def init_module(self, module: nn.Module, name: str) -> None:
+        """GPT-2's initialisation of one module, after its own reset_parameters: normal(0, 0.02)
+        weights, zero biases, and the residual projections scaled by 1 / sqrt(2 * n_layer).
+        The runtime calls it module by module on each rank's device (`runtime/materialize.py`)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj") else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_params(self) -> int:
         """Distinct parameters (the tied embedding counted once)."""

@@ -12,7 +12,12 @@ import torch.nn as nn
 
 def build(config: str, weights: str | None = None) -> nn.Module:
     """A causal LM of the architecture `config` describes, randomly initialised, or loaded from
-    the local safetensors file `weights`."""
+    the local safetensors file `weights`.
+
+    Built with its parameters on the meta device (the runtime's build, a model's inspection),
+    it loads nothing: there is nowhere to put the values, and reading the whole file on every
+    rank is what the runtime avoids; it loads each rank's slices once the shards exist
+    (`runtime/hf_weights.py`)."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as e:
@@ -20,7 +25,7 @@ def build(config: str, weights: str | None = None) -> nn.Module:
     with open(config) as f:
         cfg = AutoConfig.for_model(**json.load(f))
     model = AutoModelForCausalLM.from_config(cfg)
-    if weights:
+    if weights and not any(p.is_meta for p in model.parameters()):
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(weights), strict=False)

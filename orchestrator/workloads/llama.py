@@ -42,6 +42,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
@@ -122,12 +125,16 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        std = 0.02
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                # Scaled init of the residual projections, as GPT-2 and torchtitan.
-                scale = math.sqrt(2 * cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
-                nn.init.normal_(p, mean=0.0, std=std / scale)
+        for name, module in self.named_modules():
+            self.init_module(module, name)
+
+    def init_module(self, module: nn.Module, name: str) -> None:
+        """One module's initialisation, after its own reset_parameters: normal(0, 0.02)
+        matrices, the residual projections scaled by 1 / sqrt(2 * n_layers) (GPT-2's and
+        torchtitan's). The runtime calls it module by module (`runtime/materialize.py`)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            scale = math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj", "down_proj")) else 1
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / scale)
 
     # The pipeline contract (runtime/pipeline.py): forward is head(blocks(embed(idx))).
     pipeline_embed = ("tok_embeddings",)
