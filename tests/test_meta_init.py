@@ -182,9 +182,14 @@ def test_the_runtime_accumulates_as_the_plan_chose(tmp_path):
     per, last = out["per_micro_step"], out["last_micro_step"]
     assert per["accum"] == last["accum"] == 4
     assert per["reduce_every"] and not last["reduce_every"]
-    # One forward per micro-step, two steps; a step's first micro-step starts with nothing held.
+    # The compute-only calibration runs backward without sync, which holds every unsharded
+    # gradient: only where the plan holds them anyway.
+    assert not per["calibrated"] and not per["after_start"]
+    assert last["calibrated"]
+    # One forward per micro-step, two steps.
     assert per["held"] == [False] * 8
-    assert last["held"] == [False, True, True, True] * 2
+    # (The calibration's zero gradients are still held when the first step begins.)
+    assert last["held"] == [True, True, True, True] + [False, True, True, True]
     for a, b in zip(per["losses"], last["losses"]):
         assert a == pytest.approx(b, rel=1e-5)
 

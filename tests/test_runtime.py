@@ -72,6 +72,14 @@ def test_two_worker_run_learns_and_records_everything(cluster, tmp_path):
     on_disk = json.loads((run_dir / "summary.json").read_text())
     assert on_disk["steps"] == 30 and on_disk["wall_s"] > 0 and on_disk["tokens_per_s"] > 0
     assert on_disk["final_val_loss"] < 0.8 * on_disk["first_val_loss"]
+    # Each rank's own process: its peak resident memory, above what the interpreter and torch
+    # held before the model (hundreds of MB), and the plan's per-rank total beside it.
+    measured, predicted = on_disk["measured"], on_disk["predicted"]
+    assert measured["memory_source"] == "rss"
+    assert len(measured["peak_memory_bytes_per_rank"]) == len(measured["baseline_memory_bytes_per_rank"]) == 2
+    for peak, base in zip(measured["peak_memory_bytes_per_rank"], measured["baseline_memory_bytes_per_rank"]):
+        assert 50 << 20 < base < peak < 8 << 30
+    assert predicted["peak_memory_bytes_per_rank"] == plan["memory_per_rank"]["total"] > 0
     assert summary["restarts"] == []
     assert [Path(c).name for c in checkpoint_files.committed(str(run_dir / "checkpoints"))] == ["step_00000030"]
 

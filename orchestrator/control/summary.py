@@ -19,6 +19,10 @@ from .rundir import RunDir
 AGREEMENT = (0.5, 2.0)
 """Measured over predicted outside this range is warned about in the summary."""
 
+PEAK_MEMORY_TOLERANCE = 0.3
+"""A rank's measured peak above its baseline further than this fraction from the plan's
+per-rank total is warned about in the summary."""
+
 
 def steady_mean(values: list[float]) -> float:
     """Mean over the steps after the first few (which include warm-up and allocation)."""
@@ -29,6 +33,19 @@ def steady_mean(values: list[float]) -> float:
 def notes(setups: list[dict[str, Any]]) -> list[str]:
     """Every rank's notes, each said once, in rank order."""
     return list(dict.fromkeys(n for s in setups for n in s["notes"]))
+
+
+def peak_memory_warning(plan_total: int, finals: list[dict[str, Any]]) -> str | None:
+    """One line when the rank that grew most (its peak less its baseline) is further than
+    PEAK_MEMORY_TOLERANCE from the plan's per-rank total, else None."""
+    grown = [f["memory"]["peak_bytes"] - f["memory"]["baseline_bytes"] for f in finals]
+    if not plan_total or not grown:
+        return None
+    rank = max(range(len(grown)), key=grown.__getitem__)
+    if abs(grown[rank] / plan_total - 1) <= PEAK_MEMORY_TOLERANCE:
+        return None
+    return (f"measured peak memory of rank {rank}, {grown[rank]:,} bytes above its baseline, differs from the "
+            f"plan's {plan_total:,} per rank by more than {PEAK_MEMORY_TOLERANCE:.0%}")
 
 
 def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall: float, reports) -> dict[str, Any]:
@@ -49,6 +66,9 @@ def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall:
     if model_state_pred and model_state_meas and not (lo <= model_state_meas / model_state_pred <= hi):
         warnings.append(f"measured model-state bytes {model_state_meas:,} differ from the plan's "
                         f"{model_state_pred:,} by more than 2x")
+    peak_warning = peak_memory_warning(m.total, finals)
+    if peak_warning:
+        warnings.append(peak_warning)
     return {
         "job": cfg.name,
         "strategy": str(plan.strategy),
@@ -66,10 +86,14 @@ def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall:
         "wall_s": wall,
         "checkpoints": state.checkpoints,
         "predicted": {"step_s": predicted, "exposed_comm_s": plan.step_time.exposed_comm_s,
-                      "model_state_bytes_per_rank": model_state_pred},
+                      "model_state_bytes_per_rank": model_state_pred, "peak_memory_bytes_per_rank": m.total},
         "measured": {"step_s": measured_step, "exposed_comm_s": steady_mean(
                          [r["exposed_comm_s"] for r in state.rows if r.get("exposed_comm_s") is not None]),
-                     "model_state_bytes_per_rank": measured_mem},
+                     "model_state_bytes_per_rank": measured_mem,
+                     "peak_memory_bytes_per_rank": [f["memory"]["peak_bytes"] for f in finals],
+                     "baseline_memory_bytes_per_rank": [f["memory"]["baseline_bytes"] for f in finals],
+                     "peak_reserved_bytes_per_rank": [f["memory"]["peak_reserved_bytes"] for f in finals],
+                     "memory_source": finals[0]["memory"]["source"] if finals else None},
         "notes": notes(setups),
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
@@ -101,6 +125,11 @@ def print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     predicted_exposed = s["predicted"]["exposed_comm_s"]
     t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
               + (f" (predicted {predicted_exposed * 1000:.1f} ms)" if predicted_exposed else ""))
+    peaks, bases = s["measured"]["peak_memory_bytes_per_rank"], s["measured"]["baseline_memory_bytes_per_rank"]
+    if peaks:
+        grown = max(p - b for p, b in zip(peaks, bases))
+        t.add_row("peak memory above baseline", f"{grown / 2**20:,.0f} MiB (predicted "
+                  f"{s['predicted']['peak_memory_bytes_per_rank'] / 2**20:,.0f} MiB)")
     t.add_row("wall time", f"{s['wall_s']:.1f} s")
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)

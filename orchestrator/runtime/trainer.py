@@ -200,8 +200,10 @@ class Trainer:
         unsharded buffers, out of the optimizer's reach, and adds it to the next synced step's
         gradient. (Sharded strategies still all-gather parameters inside it, so their figure
         counts gradient communication only.) None under a pipeline, whose stages cannot run a
-        micro-batch apart from the schedule."""
-        if self.pipelined:
+        micro-batch apart from the schedule, and where FSDP2 is planned to hold only sharded
+        gradients (`holds_unsharded_grads`): a backward without sync would hold the whole
+        model's unsharded gradients at once, memory the plan does not have."""
+        if self.pipelined or not self.holds_unsharded_grads():
             return None
         x, y = self.data.train_batch(0, self.cfg.train.global_batch_size, self.dp_rank, self.dp_world)
         x, y = x[: self.micro].to(self.device), y[: self.micro].to(self.device)
@@ -220,6 +222,12 @@ class Trainer:
         self.par.optimizer.zero_grad(set_to_none=True)
         self.compute_micro_s = sorted(times[1:])[len(times[1:]) // 2]
         return self.compute_micro_s
+
+    def holds_unsharded_grads(self) -> bool:
+        """Whether the plan already holds whole (unsharded) gradients between backward passes:
+        DDP and ZeRO-1 always; FSDP2 when it accumulates them until the last micro-step."""
+        ex = self.execution
+        return ex.ddp_reduces or (self.accum > 1 and not ex.reduce_every_micro_step)
 
     def start(self, resume_from: str | None = None) -> int:
         """Ready the rank to train, as every launcher does: calibrate the compute-only step

@@ -8,9 +8,11 @@ driver can watch progress and failures at the same time.
 from __future__ import annotations
 
 import os
+import resource
 import socket
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -74,6 +76,55 @@ def _bind_cpus(cpu_affinity: str, rank: int) -> list[str]:
         return [f"rank {rank}: none of the CPUs near its GPU ({cpu_affinity}) are available here; not pinned"]
     os.sched_setaffinity(0, near)
     return []
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """What one rank's process held over its run, reported in its final answer (summary.json)."""
+
+    peak_bytes: int
+    """The most it held: the device's peak allocation on a GPU rank, the process's peak resident
+    set on a CPU rank (which includes `baseline_bytes`)."""
+    baseline_bytes: int
+    """What it held before the model was built, after imports and the process group: on a CPU
+    rank the interpreter and torch's own libraries, which the plan does not count."""
+    peak_reserved_bytes: int | None
+    """GPU ranks: the most the caching allocator reserved (allocations plus its cache); None on CPU."""
+    source: str
+    """What the figures measure: `cuda` (device allocations) or `rss` (resident process memory)."""
+
+
+def _resident_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def _peak_resident_bytes() -> int:
+    # Linux counts ru_maxrss in kilobytes, macOS in bytes.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def memory_baseline(device) -> int:
+    """Bytes this rank holds now, before its model exists: what `memory_use` subtracts."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return _resident_bytes()
+
+
+def memory_use(device, baseline: int) -> MemoryUse:
+    """This rank's peak memory so far, beside the `baseline` taken before the model was built."""
+    import torch
+
+    if device.type == "cuda":
+        return MemoryUse(peak_bytes=int(torch.cuda.max_memory_allocated(device)), baseline_bytes=baseline,
+                         peak_reserved_bytes=int(torch.cuda.max_memory_reserved(device)), source="cuda")
+    # The resident set can peak between two samples; the kernel's high-water mark cannot miss it.
+    return MemoryUse(peak_bytes=_peak_resident_bytes(), baseline_bytes=baseline, peak_reserved_bytes=None,
+                     source="rss")
 
 
 TIMES_BATCH = 10
@@ -164,6 +215,7 @@ class Worker:
         nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
         init_process_group(self.rank, self.world, master[0], master[1], backend)
+        self.memory_baseline = memory_baseline(device)
         from . import checkpoint
 
         self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
@@ -173,7 +225,8 @@ class Worker:
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
         self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
         start = self.trainer.start(resume_from)
-        return {"num_params": self.trainer.num_params, "notes": notes + list(self.trainer.par.notes),
+        return {"num_params": self.trainer.num_params,
+                "notes": notes + self.trainer.build_notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
                 "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
@@ -225,7 +278,8 @@ class Worker:
             # Calls from one caller run in order: once this returns, the sink holds every item
             # above, so the driver's last drain after this method returns misses nothing.
             ray.get(sink.put.remote({"kind": "end"}))
-        return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes()}
+        return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes(),
+                "memory": asdict(memory_use(tr.device, self.memory_baseline))}
 
     def _committed(self, path: str, step: int, sink) -> None:
         if self.rank == 0:
