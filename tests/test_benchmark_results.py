@@ -36,6 +36,7 @@ VERSIONS = ("python", "torch", "ray")
 FIGURES: dict[str, tuple[str, ...]] = {
     "activation_memory": ("rows", "max_error", "goal"),
     "checkpoint_cost": ("params_m", "steps", "sync", "async"),
+    "rehearsal": ("cases", "max_memory_error", "max_bytes_error", "goal"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),
     "cost_model_shaped": ("shapings", "mean_error", "goal"),
     "gpu_check": ("part", "device", "seconds"),

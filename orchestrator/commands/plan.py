@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "('NVIDIA A100-SXM4-40GB'); an SXM part adds the NVSwitch fabric an NCCL XML cannot show")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--svg", metavar="OUT", help="write a drawing of the rank layout on the topology to OUT")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="run one training step of the plan's first rank (and last stage's) in this process on "
+                             "fake tensors and a fake process group, and compare its memory and collectives with "
+                             "the plan's predictions")
 
 
 def _resolve(path: str, job: str | None) -> Path:
@@ -96,10 +100,25 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))
     if args.json:
-        json.dump(plan.to_dict(), sys.stdout, indent=2)
+        out = plan.to_dict()
+        if args.rehearse:
+            from .rehearsal_view import rehearsal_report
+
+            try:
+                out["rehearsal"] = rehearsal_report(cfg, plan, topo, spec)
+            except Exception:
+                json.dump(out, sys.stdout, indent=2)  # the plan stands even when its step cannot be rehearsed
+                sys.stdout.write("\n")
+                raise
+        json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render_text(plan, topo))
+        if args.rehearse:
+            from .rehearsal_view import rehearsal_report, render_rehearsal
+
+            sys.stdout.flush()
+            print(render_rehearsal(rehearsal_report(cfg, plan, topo, spec)))
     # What the capture could not say (NVLink missing from an XML, an assumed lane rate) is said
     # with every plan made from it; on stderr under --json, so stdout stays JSON.
     for w in dict.fromkeys(w for n in topo.nodes for w in n.warnings):

@@ -21,6 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "without it the console shows worker errors and the first of each distinct warning",
     )
     p.add_argument(
+        "--rehearse", action="store_true",
+        help="plan the job, rehearse one training step of the plan here (as `plan --rehearse` does) and stop "
+             "before any worker starts",
+    )
+    p.add_argument(
         "--resume", metavar="RUN_DIR",
         help="continue from the latest whole checkpoint of an earlier run (its directory is only read)",
     )
@@ -46,6 +51,8 @@ def resume_checkpoint(run_dir: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rehearse:
+        return _rehearse_only(args)
     if args.address:
         from ..connect.remote import submit_remote
 
@@ -71,6 +78,21 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.job, args.overrides)
     submit_job(cfg, args.resume, job=args.job, verbose=args.verbose)
     return 0
+
+
+def _rehearse_only(args: argparse.Namespace) -> int:
+    """`submit --rehearse`: the plan and its rehearsal, exactly as `plan JOB --rehearse` shows them."""
+    from ..errors import ConfigError
+    from . import plan
+
+    if args.address or args.resume:
+        raise ConfigError("--rehearse runs the plan's step in this process and stops before training; "
+                          "drop --address and --resume")
+    plan_args = argparse.Namespace(job=args.job, overrides=list(args.overrides), topology=None, nodes=None, gpu=None,
+                                   json=False, svg=None, rehearse=True)
+    code = plan.run(plan_args)
+    print("stopped before training (--rehearse)")
+    return code
 
 
 def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | None = None,

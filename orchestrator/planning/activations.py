@@ -135,7 +135,8 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, bytes_per_valu
     activation dtype; tensor parallelism divides the part of a block the measurement found
     split (the GPT's 12 of 16 values where it could not tell). The part kept outside the
     blocks (mostly the head's logits) sits on the last stage; the backward transient was
-    measured with the loss in it, an upper bound for the other stages."""
+    measured with the loss in it, so the other stages get a block's backward instead. The
+    loss's own bytes stay fp32 under autocast (`Trainer._loss` upcasts the logits)."""
     spec = shape.spec
     assert spec is not None
     scale = b * bytes_per_value / FP32
@@ -146,5 +147,19 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, bytes_per_valu
             split = (GPT_ATTENTION_VALUES + GPT_MLP_VALUES) / (
                 GPT_REPLICATED_VALUES + GPT_ATTENTION_VALUES + GPT_MLP_VALUES)
         block *= 1 - split + split / tp
-    kept = scale * (blocks * block + (spec.root_activation_bytes if last else 0.0))
-    return ActivationBytes(kept=kept, transient=scale * spec.backward_transient_bytes[recompute])
+    transient = spec.backward_transient_bytes[recompute]
+    root = spec.root_activation_bytes if last else 0.0
+    # The loss runs in fp32 whatever autocast computes (`Trainer._loss`): its log-probabilities
+    # (kept) and their and the logits' gradients (backward) do not shrink with the activations.
+    loss_kept = min(root, FP32 * shape.seq * shape.vocab) if last else 0.0
+    loss_grad = min(transient, LOSS_GRAD_BYTES * shape.seq * shape.vocab) if last else 0.0
+    kept = scale * (blocks * block + root - loss_kept) + b * loss_kept
+    # A block's own backward was not measured apart from the loss's: the GPT's count of it, with
+    # the measured block re-run under full recomputation (what a stage without the loss holds).
+    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * bytes_per_value
+    if recompute == "full":
+        in_block += scale * (spec.block_activation_bytes["none"] - spec.block_activation_bytes["full"])
+    if not last:
+        # No loss on this stage: the measured transient (the loss's, mostly) does not arise here.
+        return ActivationBytes(kept=kept, transient=in_block + _largest_weight_gradient(shape, tp))
+    return ActivationBytes(kept=kept, transient=scale * (transient - loss_grad) + b * loss_grad)

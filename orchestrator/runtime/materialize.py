@@ -48,11 +48,16 @@ def params_on_meta() -> Iterator[None]:
     values exist only in the constructor.)"""
     register = nn.Module.register_parameter
 
+    plain = set(torch.empty(0).__dict__) | {"_is_param"}
+
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
-            kwargs = dict(param.__dict__)
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-            param.__dict__.update(kwargs)
+            # The parameter's own class where it has one; under fake mode (a rehearsal) a new
+            # parameter is a FakeTensor marked as one, whose __dict__ is the fake mode's.
+            cls = type(param) if issubclass(type(param), nn.Parameter) else nn.Parameter
+            extra = {k: v for k, v in param.__dict__.items() if k not in plain}
+            param = cls(param.to("meta"), requires_grad=param.requires_grad)
+            param.__dict__.update(extra)
         register(module, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]

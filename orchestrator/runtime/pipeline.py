@@ -207,7 +207,9 @@ class Pipelined:
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
         if train:
-            self.schedule.step(*args, **kwargs)
+            # The losses are all the loop needs: torch would otherwise keep every micro-batch's
+            # logits on the last stage to hand back merged (m x micro-batch x seq x vocab).
+            self.schedule.step(*args, return_outputs=False, **kwargs)
             self._sync_tied()
         else:
             self.schedule.eval(*args, **kwargs)
