@@ -279,3 +279,4 @@ def test_an_elastic_run_of_a_model_no_plan_fits_says_why_not_which_worlds_it_tri
     with pytest.raises(ModelTooLarge) as err:
         plan_keeping_batch(load_config(None, GPT_175B), _cluster(1))
     assert str(err.value).startswith("the GPT (173.99B parameters) does not fit 8 H100 at any plan")
+
