@@ -77,8 +77,10 @@ CASES = [
     Case("ddp_hier", cpu_execution("ddp", Mesh(dp_replicate=4), bucket_mb=0.05, algorithm="hierarchical"), accum=2,
          node_of_rank=("n0", "n0", "n1", "n1")),
     Case("tp_ddp", cpu_execution("ddp", Mesh(dp_replicate=2, tp=2)), accum=1, checkpoint=False),
-    # fp16 rounding of the gradient all-reduce: parity only to fp16 precision.
-    Case("ddp_fp16", cpu_execution("ddp", Mesh(dp_replicate=4), compression="fp16"), accum=1, tolerance=5e-4,
+    # fp16 rounding of the gradient all-reduce: parity only to fp16 precision. Gradients keep 11
+    # bits; a few Adam steps later the loss (about 4) moves by some 1e-3 (measured: up to 1.5e-3
+    # at step 3, the size depending on the initial draw), a wrong reduction by far more.
+    Case("ddp_fp16", cpu_execution("ddp", Mesh(dp_replicate=4), compression="fp16"), accum=1, tolerance=3e-3,
          checkpoint=False),
     # A run of STEPS steps: PowerSGD all-reduces plainly for its warm-up, then compresses.
     Case("ddp_powersgd", cpu_execution("ddp", Mesh(dp_replicate=4), compression="powersgd"), accum=1,
