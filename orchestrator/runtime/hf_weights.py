@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
+from .materialize import clean_name
 from .state_names import tied_aliases
 
 KEY = "model.hf_weights"
@@ -38,7 +39,6 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHOWN = 3
 """Names listed per kind of mismatch; the counts say how many there are."""
-_WRAPPERS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 """Name components wrapping may leave in a state dict key (checkpoint_wrapper strips its own
 in state_dict; the others are for a wrapper that does not)."""
 
@@ -88,7 +88,7 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
         module = module.module
     out = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        out[".".join(part for part in key.split(".") if part not in _WRAPPERS)] = value
+        out[clean_name(key)] = value
     return out
 
 

@@ -36,9 +36,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..workloads.models import build_model
+from .state_names import tied_aliases
 
-_WRAPPER_PREFIXES = (_CHECKPOINT_PREFIX, "_orig_mod.")
-"""What wrapping inserts into parameter names (activation checkpointing, torch.compile)."""
+WRAPPER_PARTS = (_CHECKPOINT_PREFIX.rstrip("."), "_fsdp_wrapped_module", "_orig_mod")
+"""Module names wrapping inserts into parameter names (activation checkpointing, FSDP1,
+torch.compile)."""
 
 
 @contextlib.contextmanager
@@ -69,9 +71,7 @@ def params_on_meta() -> Iterator[None]:
 
 def clean_name(name: str) -> str:
     """A parameter's name as the unwrapped model registers it."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
 def _seed_of(seed: int, module_name: str) -> int:
@@ -143,21 +143,19 @@ def init_recipe(model: nn.Module, seed: int) -> tuple[InitRecipe | None, str]:
     """The recipe for `model` (whole, on meta), or (None, why) when some module holding
     parameters has no initialisation of its own."""
     hook = _model_hook(model)
-    canonical: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        canonical.setdefault(id(p), name)
+    aliases = tied_aliases(model)
     owners: dict[str, tuple[str, str]] = {}
     stand_ins: dict[str, nn.Module] = {}
     for module_name, module in model.named_modules():
-        direct = [(n, p) for n, p in module._parameters.items() if p is not None]
-        mine = [(n, p) for n, p in direct if canonical[id(p)] == _join(module_name, n)]
+        # The module owning a parameter is the one holding it under its canonical name.
+        mine = [n for n, p in module._parameters.items() if p is not None and _join(module_name, n) not in aliases]
         if not mine:
             continue
         if hook is None and not callable(getattr(module, "reset_parameters", None)):
             return None, (f"{type(module).__name__} at '{module_name or '<root>'}' holds parameters but has no "
                           f"reset_parameters() and the model defines no init_module(module, name)")
         stand_ins[module_name] = copy.deepcopy(module)  # meta: copying costs no memory
-        for n, _ in mine:
+        for n in mine:
             owners[_join(module_name, n)] = (module_name, n)
     return InitRecipe(seed, owners, stand_ins, hook), ""
 
@@ -225,8 +223,6 @@ def build_initialised(m: ModelConfig, seed: int, device: torch.device | str = "c
                       model_fn: Callable[..., nn.Module] | None = None) -> nn.Module:
     """The whole model in one process with exactly the values any plan's ranks hold between
     them: the reference a sharded run is compared with."""
-    from .state_names import tied_aliases
-
     device = torch.device(device)
     model = build_on_meta(m, model_fn)
     recipe, why = init_recipe(model, seed)

@@ -83,9 +83,7 @@ class Trainer:
         self.autocast_dtype = _DTYPES.get(ex.autocast) if ex.autocast else None
 
         m = cfg.model
-        model, materialize = self._build(model_fn)
-        # Checkpoints name a tied parameter once, whichever stage or wrapper holds it.
-        self.aliases = tied_aliases(model)
+        model, init_shards = self._build(model_fn)
         self.num_params = sum(p.numel() for p in model.parameters())
         t = cfg.train
 
@@ -100,10 +98,10 @@ class Trainer:
                                    f"accumulates {self.accum}: they are the same thing under a pipeline")
             # Split first, then move: each rank puts only its own stage on the device.
             self.par = build_pipeline(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
-                                      materialize=materialize)
+                                      materialize=init_shards)
         else:
             self.par = parallelize(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
-                                   materialize=materialize)
+                                   materialize=init_shards)
         del model  # a pipeline rank keeps only its own stage's modules
         if m.hf_weights:
             # Every rank takes part (it is collective), each reading only its own slices.
@@ -128,6 +126,8 @@ class Trainer:
         the whole model on this host from the job's seed, as every rank builds it."""
         m, seed = self.cfg.model, self.cfg.train.seed
         model = build_on_meta(m, model_fn)
+        # Checkpoints name a tied parameter once, whichever stage or wrapper holds it.
+        self.aliases = tied_aliases(model)
         if m.hf_weights:
             # Checked from the file's headers against the whole model, before any memory is
             # spent; every parameter then comes from the file, so none is initialised.
@@ -135,11 +135,12 @@ class Trainer:
             return model, lambda mod: allocate(mod, self.device)
         recipe, why = init_recipe(model, seed)
         if recipe is not None:
-            aliases = tied_aliases(model)
-            return model, lambda mod: materialize(mod, recipe, self.device, aliases)
+            return model, lambda mod: materialize(mod, recipe, self.device, self.aliases)
         self.build_notes.append(f"the model is built whole on every rank's host: {why}")
         torch.manual_seed(seed)  # the same seed gives every rank one init, before any sharding
-        return build_model(m, model_fn), None
+        model = build_model(m, model_fn)
+        self.aliases = tied_aliases(model)
+        return model, None
 
     def load_checkpoint(self, path: str) -> int:
         """Load model and optimizer from a committed checkpoint (any world size or strategy DCP
