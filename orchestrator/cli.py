@@ -25,6 +25,7 @@ COMMANDS = {
     "stop": ("stop", "stop a job on a Ray cluster and wait until it has ended"),
     "prepare": ("prepare", "tokenize text (a file, a directory, JSONL) into a token file to train on"),
     "export": ("export", "write a run's final weights as safetensors (a transformers GPT-2 model)"),
+    "report": ("report", "rebuild a run directory's report.html (plan, topology, loss, ranks) and print its path"),
     "node-labels": ("node_labels", "print this machine's Ray node labels for `ray start --labels`"),
     "testbed": ("testbed", "run a command on a local multi-node Ray cluster with shaped links (root)"),
 }

@@ -295,7 +295,7 @@ def test_metrics_exported_with_tags_then_stop_ends_job(authed):
 
     def loss_line() -> str | None:
         for line in _scrape(c.nodes[1].metrics_port).splitlines():
-            if line.startswith("ray_orchestrator_loss{") and 'job="metricsjob"' in line:
+            if line.startswith("ray_orchestrator_loss{") and 'job_name="metricsjob"' in line:
                 return line
         return None
 
@@ -306,7 +306,7 @@ def test_metrics_exported_with_tags_then_stop_ends_job(authed):
     for name in ("ray_orchestrator_tokens_per_second", "ray_orchestrator_mfu", "ray_orchestrator_memory_bytes",
                  "ray_orchestrator_step_time_seconds_bucket", "ray_orchestrator_steps_total"):
         assert re.search(rf'^{name}{{[^}}]*rank="1"', text, re.M), f"{name} missing from the export"
-    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job="metricsjob"', text, re.M), \
+    assert not re.search(r'^ray_orchestrator_val_loss\{[^}]*job_name="metricsjob"', text, re.M), \
         "a None val_loss was exported"
 
     assert stop_job(c.dashboard, job_id, wait_s=30) == "STOPPED"
@@ -327,7 +327,7 @@ def test_status_and_logs_of_unknown_job(authed):
 def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     """The whole path: ship the project, run `submit` on the head, train on 2 nodes, follow to the
     end; then submit the unchanged project again."""
-    from orchestrator.connect.remote import job_logs, job_status, run_directory, submit_remote
+    from orchestrator.connect.remote import client, job_logs, job_status, run_directory, submit_remote
 
     c = authed
     monkeypatch.chdir(ROOT)
@@ -349,7 +349,7 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
                     text = _scrape(n.metrics_port)
                 except Exception:  # the agent may restart its exporter; try again
                     continue
-                if re.search(r'^ray_orchestrator_loss\{[^}]*job="remote"', text, re.M):
+                if re.search(r'^ray_orchestrator_loss\{[^}]*job_name="remote"', text, re.M):
                     scraped[n.metrics_port] = text
             done.wait(0.5)
 
@@ -369,7 +369,7 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     for text in scraped.values():
         for m in re.finditer(r'^ray_orchestrator_loss\{([^}]*)\}', text, re.M):
             tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if tags.get("job") == "remote":
+            if tags.get("job_name") == "remote":
                 ranks.add(tags["rank"])
                 nodes.add(tags["node"])
     head = next(n for n, port in c.node_ids().items() if port == c.nodes[0].metrics_port)
@@ -378,6 +378,10 @@ def test_submit_remote_trains_across_both_nodes(authed, tmp_path, monkeypatch):
     # The run directory is where a user finds it afterwards, and `status` names it.
     run_dir = Path(run_directory(c.dashboard, job_id))
     assert run_dir.parent == c.home / "runs" and (run_dir / "summary.json").is_file()
+    # The job's record names the run directory before the run starts (the dashboard's Jobs page).
+    metadata = client(c.dashboard).get_job_info(job_id).metadata
+    assert metadata["job_name"] == "remote" and run_dir.name == job_id
+    assert metadata["run_dir"] == f"~/runs/{job_id}"
     plan = json.loads((run_dir / "plan.json").read_text())
     assert [x["node"] for x in plan["left_out"]] == [head]
     placement = json.loads((run_dir / "placement.json").read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,6 +87,9 @@ def test_sigterm_mid_run_and_worker_warnings(tmp_path):
     for path in summary["checkpoints"]:
         checkpoint_files.verify(path)  # every checkpoint it names is whole
     assert "stopped by SIGTERM at step" in out and f"--resume {run_dir}" in out
+    # The run report says so too (it was written while the run went, and again when it stopped).
+    report = (run_dir / "report.html").read_text()
+    assert re.search(r"\bstopped\b", re.search(r'<section id="run">(.*?)</section>', report, re.S).group(1))
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 
@@ -103,7 +105,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     from rich.console import Console
 
     from ..connect.cluster import connect
-    from ..connect.remote import RUN_DIR_LINE
+    from ..connect.remote import RUN_DIR_LINE, RUN_NAME_ENV
     from ..control.preflight import measure_model
     from ..control.rundir import RunDir, anchored
     from ..control.signals import stop_on_sigterm
@@ -135,11 +137,18 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     # The user's model module travels with the job (a Jobs API entrypoint's own env carries it already).
     modules = [] if inside_ray_job() else model_modules(cfg.model, model_fn)
     runtime_env = {"py_modules": modules} if modules else None
-    with connect(cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard,
-                 runtime_env=runtime_env) as dashboard_url:
+    # Named before Ray starts so the dashboard's Jobs page can name it; removed again (it is
+    # still empty) when no cluster is there, so a failed connect leaves nothing behind.
+    run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name, exact=os.environ.get(RUN_NAME_ENV))
+    with ExitStack() as cluster:
+        try:
+            dashboard_url = cluster.enter_context(connect(
+                cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard, runtime_env=runtime_env,
+                metadata={"job_name": cfg.name, "run_dir": str(run_dir.path)}))
+        except BaseException:
+            run_dir.path.rmdir()
+            raise
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
-        # Created once a cluster is there: a failed connect leaves no empty run directory behind.
-        run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name)
         console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
         with WorkerLogs(run_dir, console, verbose=verbose):
             summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec)
@@ -159,6 +168,7 @@ def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: st
     import time
 
     from ..control.driver import run_job
+    from ..control.report import write_report
     from ..control.signals import signal_name
     from ..control.stopped import stopped_summary
 
@@ -169,6 +179,7 @@ def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: st
         name = signal_name(e)
         summary = stopped_summary(cfg, run_dir, name, time.monotonic() - t0, resume)
         run_dir.write_json("summary.json", summary)
+        write_report(run_dir)
         said = f"stopped by {name} at step {summary['steps']}/{cfg.train.max_steps}; "
         if summary["checkpoints"]:
             said += f"last checkpoint {summary['checkpoints'][-1]}; continue with "

@@ -18,6 +18,7 @@ def connect(
     dashboard: bool = False,
     runtime_env: dict | None = None,
     name: str = "cluster.address",
+    metadata: dict[str, str] | None = None,
 ) -> Iterator[str | None]:
     """Yield with Ray initialised; shut down only what this call started.
 
@@ -25,6 +26,8 @@ def connect(
     RAY_ADDRESS nor a stale `/tmp/ray/ray_current_cluster` can attach the job to someone
     else's cluster by accident. Yields the dashboard URL when there is one. An address where
     no Ray cluster answers raises ClusterUnreachable naming `name` (the key or flag it came from).
+    `metadata` is the driver's job metadata: the dashboard's Jobs page shows its `job_name` as
+    the job's name and the rest on the job's page.
     """
     import ray
 
@@ -39,6 +42,10 @@ def connect(
         # Ray prints its own banner and usage-stats notice; our CLI says what matters.
         configure_logging=True,
     )
+    if metadata:
+        from ray.job_config import JobConfig
+
+        kwargs["job_config"] = JobConfig(metadata=dict(metadata))
     if address is None:
         cpus = max(os.cpu_count() or 1, int(num_cpus or 0))
         kwargs.update(address="local", num_cpus=cpus)

@@ -31,6 +31,9 @@ EXCLUDES = ["runs/", ".venv/", ".git/", "__pycache__/", "*.pyc", ".pytest_cache/
 PROJECT_MARKERS = ("pyproject.toml", "orchestrator/__main__.py")
 REMOTE_RUN_ENV = "ORCHESTRATOR_REMOTE_RUN"
 """Set in the environment of a driver that `submit --address` started through the Jobs API."""
+RUN_NAME_ENV = "ORCHESTRATOR_RUN_NAME"
+"""The name of the run directory a Jobs API driver creates: the job's submission id, so the job's
+record (the dashboard's Jobs page, `status`) names its run directory before the run starts."""
 RUN_DIR_LINE = "run directory: "
 """How the driver announces its run directory; `status` finds it in the job's log by this."""
 
@@ -202,13 +205,23 @@ def submit_remote(address: str, job_file: str, overrides: list[str], verbose: bo
         job_id = c.submit_job(
             entrypoint=entrypoint(job_rel, list(overrides), verbose),
             submission_id=submission_id,
-            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES, "env_vars": {REMOTE_RUN_ENV: "1"},
+            runtime_env={"working_dir": str(workdir), "excludes": EXCLUDES,
+                         "env_vars": {REMOTE_RUN_ENV: "1", RUN_NAME_ENV: submission_id},
                          **({"py_modules": modules} if modules else {})},
-            metadata={"orchestrator_job": cfg.name},
+            # `job_name` is the key the dashboard's Jobs page shows as the job's name.
+            metadata={"job_name": cfg.name, "run_dir": head_run_dir(cfg.monitor.runs_dir, submission_id)},
         )
     except Exception as e:
         raise _translate(e, _normalise(address)) from e
     return job_id, cfg
+
+
+def head_run_dir(runs_dir: str, run_name: str) -> str:
+    """Where a Jobs API driver will create its run directory, as a person on the head finds it
+    (a relative `monitor.runs_dir` is taken from the home directory there; see rundir.anchored)."""
+    if "://" in runs_dir or runs_dir.startswith(("/", "~")):
+        return f"{runs_dir.rstrip('/')}/{run_name}"
+    return f"~/{runs_dir.rstrip('/')}/{run_name}"
 
 
 def run_directory(address: str, job_id: str) -> str | None:
@@ -232,7 +245,8 @@ def _as_job(info: Any) -> RemoteJob:
         start_time=secs(info.start_time),
         end_time=secs(info.end_time),
         message=(info.message or "").strip(),
-        name=(info.metadata or {}).get("orchestrator_job", ""),
+        # `orchestrator_job`: jobs submitted by earlier versions.
+        name=(info.metadata or {}).get("job_name") or (info.metadata or {}).get("orchestrator_job", ""),
     )
 
 

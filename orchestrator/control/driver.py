@@ -26,13 +26,15 @@ from ..planning.cluster_view import plannable
 from ..planning.mesh import Mesh
 from ..planning.model_spec import ModelSpec
 from ..runtime import checkpoint_files
-from ..runtime.metrics import record_restart
+from ..runtime.metrics import record_restarts
 from ..topology.model import ClusterTopology
 from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
 from .failures import Regrow, WorkerFailure, raise_failure
 from .follow import RunState, follow
+from .monitoring import announce
 from .placement import Placement, cpu_affinity, nccl_settings, place
 from .preflight import measure_model
+from .report import write_report
 from .rundir import RunDir
 from .summary import notes, print_summary, summarize, write_loss_curve
 from .verify import latest_whole_checkpoint
@@ -54,8 +56,8 @@ def run_job(
     t_start = time.monotonic()
     state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn))
     run.write_text("config.yaml", to_yaml(cfg))
-    if dashboard_url:
-        console.print(f"Ray dashboard: http://{dashboard_url}")
+    record_restarts(cfg.name, 0)  # a healthy run's dashboard reads 0, not "no data"
+    announce(console, dashboard_url)
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
     resume = resume_from
     while True:
@@ -65,6 +67,7 @@ def run_job(
         except PlanError:
             if state.restarts:  # the world shrank below what the job can run on: the summary says so too
                 run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+                write_report(run)
             raise
         except Regrow as g:
             resume = _after_regrow(g, console, state, ckpt_dir, run)
@@ -75,6 +78,7 @@ def run_job(
     if resume_from:
         summary["resumed_from"] = resume_from
     run.write_json("summary.json", summary)
+    write_report(run)
     write_loss_curve(run, cfg, plan, state)
     print_summary(console, summary, run)
     return summary
@@ -214,10 +218,11 @@ def _after_failure(f: WorkerFailure, cfg: JobConfig, console: Console, state: Ru
         found = (resume_from, int(checkpoint_files.verify(resume_from)["step"]))
     resume, resume_step = found if found else (None, 0)
     state.restarts.append(f.restart_record(state.last_step, resume_step))
-    record_restart(cfg.name)
+    record_restarts(cfg.name, len(state.restarts))
     failures = sum(1 for r in state.restarts if not r.get("grow"))
     if failures > cfg.train.max_failures:
         run.write_json("summary.json", {"job": cfg.name, "failed": True, "restarts": state.restarts})
+        write_report(run)
         raise RunFailed(
             f"rank(s) {f.ranks} failed ({f.reason}) and train.max_failures={cfg.train.max_failures} "
             f"restarts are used up; the last whole checkpoint is {resume or 'none'}"

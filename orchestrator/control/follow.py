@@ -22,6 +22,7 @@ from ..planning.model_spec import ModelSpec
 from . import supervise
 from .failures import Regrow, raise_failure, raise_hang
 from .progress import ProgressView
+from .report import RANK_TIMES, LiveReport
 from .rundir import RunDir
 from .straggler import StragglerTracker, describe
 
@@ -52,7 +53,8 @@ class RunState:
 
     def rewind(self, step: int, run: RunDir) -> None:
         """Forget what happened after `step` (a resumed run recomputes those steps), in memory
-        and in metrics.jsonl."""
+        and in metrics.jsonl. rank_times.jsonl is kept: it records how fast each rank ran, not
+        what a step computed, and the steps trained twice were timed twice."""
         self.rows = [r for r in self.rows if r["step"] <= step]
         self.val = [v for v in self.val if v[0] <= step]
         run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
@@ -85,6 +87,7 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
     announced: set[int] = set()
     e = cfg.elastic
     watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s))
+    report = LiveReport(run, lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}"))
     try:
         with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
             while True:
@@ -97,7 +100,10 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                     watchdog.progressed()
                 saved = [(it["step"], it["path"]) for it in items if it["kind"] == "checkpoint"]
                 timed = any(it["kind"] == "times" for it in items)
+                stepped = any(it["kind"] == "step" for it in items)
                 consume(items, state, run, view, cfg.monitor.log_interval)
+                if stepped:
+                    report.maybe()
                 if timed:
                     slow = [s for s in state.stragglers.report(placed) if s["rank"] not in announced]
                     if slow:
@@ -121,6 +127,7 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                     raise_hang(run, placement, watchdog.timeout_s, state.last_step)
         return ray.get(refs)
     finally:
+        report.now()  # the state the attempt ended in, whatever ended it; never raises
         ray.kill(sink)
 
 
@@ -138,6 +145,9 @@ def consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: Pro
             state.checkpoints.append(it["path"])
         elif kind == "times":
             state.stragglers.add(it["rank"], [tuple(t) for t in it["times"]])
+            # `world`: restarts so far; a restarted world numbers its ranks afresh.
+            run.append_jsonl(RANK_TIMES, [{"rank": it["rank"], "world": len(state.restarts), "step_s": s,
+                                           "exposed_comm_s": c} for s, c in it["times"]])
         elif kind == "step":
             row = {k: it.get(k) for k in METRIC_KEYS}
             state.rows.append(row)

@@ -41,13 +41,15 @@ class RunDir:
         self.path = path
 
     @classmethod
-    def create(cls, runs_dir: str | os.PathLike, name: str) -> "RunDir":
-        """A new directory; an existing one of the same name is never touched (a suffix is added)."""
+    def create(cls, runs_dir: str | os.PathLike, name: str, exact: str | None = None) -> "RunDir":
+        """A new directory named `<name>-<time>`, or `exact` (a Jobs API submission id, so the
+        job's record can name its run directory before the run starts); an existing one of
+        the same name is never touched (a suffix is added)."""
         parent = Path(runs_dir)
         parent.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = exact or f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
         for i in range(1000):
-            path = parent / (f"{name}-{stamp}" + (f"-{i}" if i else ""))
+            path = parent / (base + (f"-{i}" if i else ""))
             try:
                 path.mkdir()  # atomic: fails if another submit took the name first
                 return cls(path)

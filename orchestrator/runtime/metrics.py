@@ -2,17 +2,24 @@
 
 Each rank records into `ray.util.metrics`; Ray's per-node agent serves them on the node's
 `--metrics-export-port` with Ray's `ray_` prefix, so `orchestrator_loss` is scraped as
-`ray_orchestrator_loss{job="llm",rank="3",node="..."}`. Every series carries the job name, the
+`ray_orchestrator_loss{job_name="llm",rank="3",node="..."}`. Every series carries the job name, the
 rank and the node, so one Grafana query can split a run by rank or find the slow node.
+
+The job's tag is `job_name`, not `job`: Prometheus gives every scraped target a `job` label of
+its own (Ray's scrape configuration names it `ray`) and renames a metric's `job` to
+`exported_job`, so a `job` tag would be queried under a name nobody expects. `job_name` is also
+the key the Ray dashboard's Jobs page shows as a job's name.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-TAG_KEYS = ("job", "rank", "node")
+JOB_TAG = "job_name"
+TAG_KEYS = (JOB_TAG, "rank", "node")
 # Step times from a tiny CPU run (tens of ms) to a large model on many nodes (tens of s).
 STEP_TIME_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0]
 
@@ -46,9 +53,24 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("orchestrator_step", "gauge", "Optimizer steps completed.", "step"),
     MetricSpec("orchestrator_steps_total", "counter", "Optimizer steps run by this rank (restarts included)."),
 )
-RESTARTS = MetricSpec("orchestrator_restarts_total", "counter", "Times the job restarted after a failure.")
+PLANNED_MEMORY = MetricSpec("orchestrator_memory_planned_bytes", "gauge",
+                            "The plan's predicted memory per rank (model states, activations, buffers).")
+BASELINE_MEMORY = MetricSpec("orchestrator_memory_baseline_bytes", "gauge",
+                             "What the rank held before its model was built (interpreter and libraries on CPU).")
+# A gauge, not a counter: it must read 0 before the first restart (a Ray counter cannot be
+# incremented by 0), or a dashboard's restarts panel would be empty for every healthy run.
+RESTARTS = MetricSpec("orchestrator_restarts", "gauge", "Restarts of the job after a failure so far.")
+
+GAUGE_REFRESH_S = 5.0
+"""How often a gauge's last value is set again. Ray's metrics agent forgets a gauge that was not
+set within two export intervals (2 x `metrics_report_interval_ms`, 20 s by default), so a value
+set once (the plan's memory, the restarts so far) or by a step slower than that would vanish
+from Prometheus between steps."""
 
 _registry: dict[str, Any] = {}
+_gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+_gauges_lock = threading.Lock()
+_refresher: threading.Thread | None = None
 
 
 def _metric(spec: MetricSpec, tag_keys: tuple[str, ...]) -> Any:
@@ -64,6 +86,28 @@ def _metric(spec: MetricSpec, tag_keys: tuple[str, ...]) -> Any:
             m = metrics.Histogram(spec.name, spec.description, boundaries=STEP_TIME_BOUNDARIES_S, tag_keys=tag_keys)
         _registry[spec.name] = m
     return _registry[spec.name]
+
+
+def _set_gauge(spec: MetricSpec, tag_keys: tuple[str, ...], value: float, tags: dict[str, str]) -> None:
+    """Set a gauge and keep setting it to this value every GAUGE_REFRESH_S until it changes."""
+    global _refresher
+    _metric(spec, tag_keys).set(value, tags=tags)
+    with _gauges_lock:
+        _gauges[(spec.name, tuple(tags.items()))] = value
+        if _refresher is None:
+            _refresher = threading.Thread(target=_refresh_gauges, name="orchestrator-gauges", daemon=True)
+            _refresher.start()
+
+
+def _refresh_gauges() -> None:
+    import time
+
+    while True:
+        time.sleep(GAUGE_REFRESH_S)
+        with _gauges_lock:
+            last = list(_gauges.items())
+        for (name, tags), value in last:
+            _registry[name].set(value, tags=dict(tags))
 
 
 def _current_node() -> str:
@@ -90,13 +134,18 @@ def process_memory_bytes() -> int:
 class TrainMetrics:
     """One rank's exported metrics, tagged with its job, rank and node."""
 
-    def __init__(self, job: str, rank: int, node: str | None = None) -> None:
+    def __init__(self, job: str, rank: int, node: str | None = None, *, planned_bytes: int | None = None,
+                 baseline_bytes: int | None = None) -> None:
         if not job:
             raise ValueError("TrainMetrics needs a job name (the `name` of the job config)")
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
-        self.tags = {"job": job, "rank": str(rank), "node": node or _current_node()}
+        self.tags = {JOB_TAG: job, "rank": str(rank), "node": node or _current_node()}
         self._metrics = {spec.name: (spec, _metric(spec, TAG_KEYS)) for spec in METRICS}
+        # What the rank's measured memory is read against on a dashboard.
+        for spec, value in ((PLANNED_MEMORY, planned_bytes), (BASELINE_MEMORY, baseline_bytes)):
+            if value is not None:
+                _set_gauge(spec, TAG_KEYS, float(value), self.tags)
 
     def record_step(self, result: Mapping[str, Any]) -> None:
         """Export one step's result dict (the Trainer's StepResult as a dict).
@@ -117,12 +166,15 @@ class TrainMetrics:
             if spec.kind == "histogram":
                 metric.observe(float(value), tags=self.tags)
             else:
-                metric.set(float(value), tags=self.tags)
+                _set_gauge(spec, TAG_KEYS, float(value), self.tags)
         self._metrics["orchestrator_steps_total"][1].inc(1.0, tags=self.tags)
 
 
-def record_restart(job: str) -> None:
-    """Count one restart of `job` (called by the driver, so it is tagged with the job only)."""
+def record_restarts(job: str, restarts: int) -> None:
+    """Set how many times `job` has restarted (called by the driver at the start of a run and
+    after each restart, so it is tagged with the job only)."""
     if not job:
-        raise ValueError("record_restart needs the job name")
-    _metric(RESTARTS, ("job",)).inc(1.0, tags={"job": job})
+        raise ValueError("record_restarts needs the job name")
+    if restarts < 0:
+        raise ValueError(f"restarts must be >= 0, got {restarts}")
+    _set_gauge(RESTARTS, (JOB_TAG,), float(restarts), {JOB_TAG: job})

@@ -220,7 +220,8 @@ class Worker:
 
         self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
         self.trainer = Trainer(cfg, plan, device, model_fn)
-        self.metrics = TrainMetrics(cfg.name, self.rank)
+        self.metrics = TrainMetrics(cfg.name, self.rank, planned_bytes=plan.memory_per_rank.total,
+                                    baseline_bytes=self.memory_baseline)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
         self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
