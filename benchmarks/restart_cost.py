@@ -1,13 +1,18 @@
-"""Restart cost on fake-GPU Ray clusters with a GPU-less head, the issue's two acceptance runs:
+"""Restart cost on fake-GPU Ray clusters with a GPU-less head.
 
-1. 8 ranks on 2 nodes of 4 GPUs (wired as the 4-GPU PCIe capture): the same run uninterrupted
-   and with `kill -9` of rank 3 half-way; the extra wall time, the ranks blamed, and the time
-   from the kill to its detection.
+1. One `kill -9` half-way through a run of 4, 8 and 16 ranks (nodes of 4 fake GPUs wired as
+   the 4-GPU PCIe capture), each against the same run uninterrupted, twice: keeping the
+   survivors (the default: only the dead rank's actor is replaced) and with
+   `elastic.keep_survivors=false` (every actor torn down, re-probed, re-planned, re-placed).
+   Per run: the extra wall time over the uninterrupted run, the ranks blamed, the time from
+   the kill to its detection, and the restart record's breakdown (detection, teardown, probe,
+   plan, placement, actor start, process group, model build, state restore, first step).
+   Goal: keeping the survivors, <= 10 s at 8 ranks and flat in the rank count.
 2. 3 nodes of 2 GPUs with global batch 18: one node removed half-way (its 2 ranks die, and the 4
    survivors do not divide 18); the world sizes before and after, the global batch every plan
    covers, and whether every step finished.
 
-    python benchmarks/restart_cost.py [--quick] [--steps N]
+    python benchmarks/restart_cost.py [--quick] [--steps N] [--ranks 4 8 16]
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ def _last_step(run: Path) -> int:
     return json.loads(rows[-1])["step"] if rows else 0
 
 
-def _run(runs: Path, steps: int, batch: int, chaos=None) -> dict:
+def _run(runs: Path, steps: int, batch: int, chaos=None, extra: tuple[str, ...] = ()) -> dict:
     """One run_job; `chaos(run_dir)` runs beside it and returns what it did."""
     from rich.console import Console
 
@@ -46,7 +51,7 @@ def _run(runs: Path, steps: int, batch: int, chaos=None) -> dict:
 
     cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, f"monitor.runs_dir={runs}", f"train.max_steps={steps}",
                                                    f"train.global_batch_size={batch}", f"train.eval_interval={steps}",
-                                                   "checkpoint.interval=5", "train.max_failures=1"])
+                                                   "checkpoint.interval=5", "train.max_failures=1", *extra])
     run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
     did: dict = {}
     if chaos:
@@ -100,6 +105,41 @@ def _batch(plan: dict) -> int:
 
 def options(ap) -> None:
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (quick: 20)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=None,
+                    help="world sizes of the kill runs, multiples of 4 (default 4 8 16; quick: 4 8)")
+
+
+def _killed(base: dict, hit: dict) -> dict:
+    r = hit["summary"]["restarts"][0]
+    return {"wall_s": hit["wall_s"], "restart_cost_s": hit["wall_s"] - base["wall_s"],
+            "detect_s": r["detected_unix_s"] - hit["did"]["killed_at"], "blamed_ranks": r["ranks"],
+            "steps_lost": r["steps_lost"], "recovery": r.get("recovery"), "breakdown": r.get("breakdown"),
+            "every_step_finished": hit["steps"] == base["steps"]}
+
+
+def _kill_runs(tmp: Path, ranks: int, steps: int) -> dict:
+    """Uninterrupted, then rank `ranks - 1` killed keeping the survivors, then killed with a
+    whole-world restart, on one cluster of `ranks / 4` nodes."""
+    import ray
+
+    cluster, _ = _cluster(ranks // 4, 4, {"ORCHESTRATOR_TOPOLOGY_FILE": str(CAPTURE)})
+    try:
+        base = _run(tmp / f"{ranks}-a", steps, 32)
+        kept = _run(tmp / f"{ranks}-b", steps, 32, _kill_rank(ranks - 1, steps // 2))
+        full = _run(tmp / f"{ranks}-c", steps, 32, _kill_rank(ranks - 1, steps // 2),
+                    ("elastic.keep_survivors=false",))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return {"ranks": ranks, "uninterrupted_s": base["wall_s"], "keep_survivors": _killed(base, kept),
+            "full_restart": _killed(base, full)}
+
+
+def _parts(breakdown: dict | None) -> str:
+    if not breakdown:
+        return "-"
+    return ", ".join(f"{k[:-2].replace('_', ' ')} {v:.1f}" for k, v in breakdown.items()
+                     if k.endswith("_s") and k != "total_s")
 
 
 def main(argv=None) -> None:
@@ -110,15 +150,12 @@ def main(argv=None) -> None:
     from orchestrator.topology.model import ClusterTopology
 
     steps = 20 if args.quick else args.steps
+    sizes = args.ranks or ([4, 8] if args.quick else [4, 8, 16])
+    if any(n % 4 for n in sizes):
+        raise SystemExit(f"--ranks: each must be a multiple of 4 (nodes of 4 GPUs), got {sizes}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cluster, _ = _cluster(2, 4, {"ORCHESTRATOR_TOPOLOGY_FILE": str(CAPTURE)})
-        try:
-            base = _run(tmp / "a", steps, 16)
-            hit = _run(tmp / "b", steps, 16, _kill_rank(3, steps // 2))
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+        kills = [_kill_runs(tmp, n, steps) for n in sizes]
         two = ClusterTopology(nodes=[load_topology_file(CAPTURE, "A100")]).limit(2).nodes[0]
         (tmp / "two.json").write_text(json.dumps(two.to_dict()))
         cluster, workers = _cluster(3, 2, {"ORCHESTRATOR_TOPOLOGY_FILE": str(tmp / "two.json")})
@@ -128,26 +165,26 @@ def main(argv=None) -> None:
             ray.shutdown()
             cluster.shutdown()
 
-    r = hit["summary"]["restarts"][0]
-    kill = {"uninterrupted_s": base["wall_s"], "killed_s": hit["wall_s"],
-            "restart_cost_s": hit["wall_s"] - base["wall_s"],
-            "detect_s": r["detected_unix_s"] - hit["did"]["killed_at"], "blamed_ranks": r["ranks"],
-            "blamed_nodes": len(r["nodes"]), "steps_lost": r["steps_lost"]}
     lr = lost["summary"]["restarts"][0]
     node = {"world_before": lost["did"]["world_before"], "world_after": lost["plan"]["world_size"],
             "global_batch_after": _batch(lost["plan"]),
             "every_step_finished": lost["steps"] == list(range(1, steps + 1)),
-            "blamed_ranks": lr["ranks"], "wall_s": lost["wall_s"]}
-    print_table(f"kill -9 of one of 8 ranks, 2 fake-GPU nodes, {steps} steps",
-                ["run", "wall", "over uninterrupted", "blamed ranks", "kill to detection"],
-                [("uninterrupted", f"{base['wall_s']:.1f} s", "-", "-", "-"),
-                 ("kill -9 of rank 3", f"{hit['wall_s']:.1f} s", f"{kill['restart_cost_s']:+.1f} s",
-                  str(kill["blamed_ranks"]), f"{kill['detect_s']:.2f} s")])
+            "blamed_ranks": lr["ranks"], "wall_s": lost["wall_s"], "recovery": lr.get("recovery")}
+    rows = []
+    for k in kills:
+        for mode in ("keep_survivors", "full_restart"):
+            m = k[mode]
+            rows.append((k["ranks"], mode.replace("_", " "), f"{k['uninterrupted_s']:.1f} s",
+                         f"{m['restart_cost_s']:+.1f} s", str(m["blamed_ranks"]), f"{m['detect_s']:.2f} s",
+                         f"{m['breakdown']['total_s']:.1f} s" if m["breakdown"] else "-", _parts(m["breakdown"])))
+    print_table(f"kill -9 of the last rank half-way, nodes of 4 fake GPUs, {steps} steps",
+                ["ranks", "recovery", "uninterrupted", "extra wall", "blamed", "kill to detection",
+                 "restart to first step", "parts (s)"], rows)
     print_table(f"one of 3 nodes lost, global batch 18, {steps} steps",
                 ["world before", "world after", "global batch after", "every step finished", "blamed ranks"],
                 [(node["world_before"], node["world_after"], node["global_batch_after"],
                   str(node["every_step_finished"]), str(node["blamed_ranks"]))])
-    write_result("restart_cost", {"steps": steps, "kill_one_of_8": kill, "lose_one_of_3_nodes": node}, args)
+    write_result("restart_cost", {"steps": steps, "kill": kills, "lose_one_of_3_nodes": node}, args)
 
 
 if __name__ == "__main__":

@@ -225,6 +225,13 @@ class ElasticConfig:
     hang_floor_s: float = 300.0
     """Shortest wait for a step before the run counts as hung, seconds: covers the first step's
     warm-up, evaluation and checkpoint writes, which report no step while they run."""
+    keep_survivors: bool = True
+    """After a failure, keep every healthy rank's process (imports, device context) and replace
+    only the dead or hung ranks on their own devices, when the world is unchanged; false: tear
+    every rank down and re-probe, re-plan and re-place, as a changed world always does."""
+    leave_timeout_s: float = 30.0
+    """How long the survivors may take to leave the broken collective before the whole world
+    restarts instead, seconds."""
 
 
 @dataclass

@@ -45,7 +45,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "narayanan_ptdp": ("rows", "zero3_vs_ptdp", "flops_counted"),
     "placement_gain": ("models", "rows"),
     "planner_scale": ("model", "rows"),
-    "restart_cost": ("steps", "kill_one_of_8", "lose_one_of_3_nodes"),
+    "restart_cost": ("steps", "kill", "lose_one_of_3_nodes"),
     "runtime_overhead": ("runs", "median", "ratios", "goals"),
     "step_time": ("steps", "cases", "mean_abs_error"),
     "token_file_memory": ("steps", "baseline", "large"),

@@ -141,6 +141,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     # kill -9: only that rank and its node are blamed, and detection did not wait on the others
     assert kill["ranks"] == [1] and kill["nodes"] == [events["killed"]["node_id"]], kill
     assert "died" in kill["reason"]
+    assert kill["recovery"] == {"kind": "kept_survivors", "replaced": [1], "kept": 5}, kill
 
     # SIGSTOP: a hang; the stopped rank is the one that did not answer, every rank has a stack file
     assert hang["reason"].startswith("hang") and hang["ranks"] == [2], hang
@@ -149,12 +150,16 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     assert len(stacks) == 6
     assert "no answer" in stacks[2].read_text()
     assert "train" in stacks[0].read_text()  # a live rank's stack shows where it waits
+    # the hung rank is killed and replaced; the others stay
+    assert hang["recovery"] == {"kind": "kept_survivors", "replaced": [2], "kept": 5}, hang
 
     # a node lost: 4 survivors do not divide 18 as data-parallel ranks, so they run as a pipeline
     # of 2 stages x 2 data-parallel ranks with the whole batch per step, from the checkpoint the
     # 6 ranks wrote without a pipeline (its tied embedding and head split between the stages)
     assert lost["reason"].startswith("worker died") and lost["ranks"] == events["removed_ranks"], lost
     assert lost["nodes"] == [events["removed"]]
+    # a lost node changes the world: its ranks cannot start on it again, so everything re-plans
+    assert lost["recovery"]["kind"] == "full_restart" and "is gone" in lost["recovery"]["why"], lost
     plan = events["shrunk_plan"]
     assert plan["world_size"] == 4 and plan["mesh"]["pp"] == 2
     dp = plan["mesh"]["dp_replicate"] * plan["mesh"]["dp_shard"]

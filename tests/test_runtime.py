@@ -132,8 +132,10 @@ def test_pipeline_two_workers_end_at_the_val_loss_of_pp1_and_survive_a_killed_st
         torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=1e-6, msg=k)
 
 
-def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threading.Event) -> None:
-    """Wait for the run's metrics to reach `at_step`, then kill -9 the rank's process."""
+def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threading.Event,
+                    seen: list | None = None) -> None:
+    """Wait for the run's metrics to reach `at_step`, then kill -9 the rank's process; the
+    placement it read is appended to `seen`."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not done.is_set():
         runs = sorted(run_dir_parent.glob("llm-*"))
@@ -142,8 +144,10 @@ def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threadi
             if metrics.exists() and placement.exists():
                 steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines() if l.strip()]
                 if steps and max(steps) >= at_step:
-                    pid = json.loads(placement.read_text())[rank]["pid"]
-                    os.kill(pid, signal.SIGKILL)
+                    placed = json.loads(placement.read_text())
+                    if seen is not None:
+                        seen.append(placed)
+                    os.kill(placed[rank]["pid"], signal.SIGKILL)
                     return
         time.sleep(0.05)
 
@@ -155,8 +159,8 @@ def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(c
     steps = 40
     common = (f"train.max_steps={steps}", "train.eval_interval=10", "checkpoint.interval=4", "parallel.strategy=ddp")
     ref_dir, ref, cfg = _run(tmp_path / "ref", *common)
-    done = threading.Event()
-    killer = threading.Thread(target=_kill_rank_when, args=(tmp_path / "killed", 1, 6, done), daemon=True)
+    done, seen = threading.Event(), []
+    killer = threading.Thread(target=_kill_rank_when, args=(tmp_path / "killed", 1, 6, done, seen), daemon=True)
     killer.start()
     try:
         run_dir, summary, _ = _run(tmp_path / "killed", *common, "train.max_failures=1")
@@ -165,6 +169,19 @@ def test_killed_worker_is_replaced_and_the_run_ends_exactly_as_without_failure(c
     assert len(summary["restarts"]) == 1
     restart = summary["restarts"][0]
     assert restart["ranks"] == [1]
+    # Only the dead rank was replaced: the survivor's process trained on, on the same plan.
+    assert restart["recovery"] == {"kind": "kept_survivors", "replaced": [1], "kept": 1}
+    after = json.loads((run_dir / "placement.json").read_text())
+    assert after[0]["pid"] == seen[0][0]["pid"] and after[1]["pid"] != seen[0][1]["pid"]
+    parts = restart["breakdown"]
+    for name in ("detection_s", "teardown_s", "actor_start_s", "process_group_s", "model_build_s",
+                 "state_restore_s", "first_step_s"):
+        assert parts[name] >= 0, name
+    assert "probe_s" not in parts and "placement_s" not in parts  # nothing re-probed, re-planned or re-placed
+    assert parts["total_s"] >= sum(v for k, v in parts.items() if k.endswith("_s") and k != "total_s") - 0.5
+    assert parts["largest"] in parts
+    startup = {"probe_s", "plan_s", "placement_s", "actor_start_s", "model_build_s", "first_step_s"}
+    assert startup <= set(summary["startup"])
     # resumed from the last checkpoint committed before the failure
     assert 4 <= restart["resumed_from_step"] <= restart["failed_at_step"] < steps
     assert restart["resumed_from_step"] % 4 == 0

@@ -28,10 +28,12 @@ from ..planning.model_spec import ModelSpec
 from ..runtime import checkpoint_files
 from ..runtime.metrics import record_restarts
 from ..topology.model import ClusterTopology
+from . import heal
 from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
 from .failures import Regrow, WorkerFailure, raise_failure
 from .follow import RunState, follow
 from .monitoring import announce
+from .phases import Phases
 from .placement import Placement, cpu_affinity, nccl_settings, place
 from .preflight import measure_model
 from .report import write_report
@@ -54,15 +56,19 @@ def run_job(
     the model instead of `model.factory` (the Python API); `spec` is its measurement
     (`measure_model`), made here when not given."""
     t_start = time.monotonic()
-    state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn))
+    state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn),
+                     phases=Phases(time.time()))
     run.write_text("config.yaml", to_yaml(cfg))
     record_restarts(cfg.name, 0)  # a healthy run's dashboard reads 0, not "no data"
     announce(console, dashboard_url)
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
     resume = resume_from
+    def on_failure(f: WorkerFailure) -> str | None:
+        return _after_failure(f, cfg, console, state, ckpt_dir, run, resume_from)
+
     while True:
         try:
-            plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume)
+            plan, setups, finals, reports = _attempt(cfg, run, console, state, ckpt_dir, resume, on_failure)
             break
         except PlanError:
             if state.restarts:  # the world shrank below what the job can run on: the summary says so too
@@ -71,8 +77,10 @@ def run_job(
             raise
         except Regrow as g:
             resume = _after_regrow(g, console, state, ckpt_dir, run)
+            state.phases = Phases(time.time(), state.restarts[-1])
         except WorkerFailure as f:
-            resume = _after_failure(f, cfg, console, state, ckpt_dir, run, resume_from)
+            resume = f.recorded_resume if f.recorded else on_failure(f)
+            _full_restart_clock(state, f)
 
     summary = summarize(cfg, plan, state, setups, finals, time.monotonic() - t_start, reports)
     if resume_from:
@@ -84,26 +92,93 @@ def run_job(
     return summary
 
 
-def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str, resume: str | None):
-    """One probe -> plan -> place -> train pass; raises WorkerFailure when a rank dies."""
+def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str, resume: str | None,
+             on_failure: Callable[[WorkerFailure], str | None]):
+    """One probe -> plan -> place -> train pass. A failure the survivors can outlive (heal.py)
+    is recovered inside it, on the same plan and placement; any other raises WorkerFailure
+    once every actor is released."""
+    t = time.monotonic()
     topology = _probe(cfg, run, console)
     # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
     view, left_out = plannable(topology)
     use_gpu = uses_gpus(view)
     view = limit_world(cfg, view)
     devices_at_plan = view.num_devices
+    t_plan = time.monotonic()
     plan = _plan(cfg, view, run, console, left_out, state.spec, use_gpu)
+    _phase(state, "probe_s", t_plan - t)
+    _phase(state, "plan_s", time.monotonic() - t_plan)
     placement = _place(cfg, plan, console, use_gpu)
+    for name, seconds in placement.timings.items():
+        _phase(state, name, seconds)
     try:
         run.write_json("placement.json", placement.reports)
-        setups = _start(cfg, plan, topology, run, console, placement, state, resume, use_gpu)
-        grow = (lambda: devices_now(cfg)) if use_gpu else None
-        finals = follow(cfg, run, console, placement, plan, state, setups[0]["start_step"], ckpt_dir,
-                        devices_at_plan, grow)
+        while True:
+            try:
+                setups = _start(cfg, plan, topology, run, console, placement, state, resume, use_gpu)
+                if state.phases is not None:
+                    state.phases.add_setups(setups)
+                grow = (lambda: devices_now(cfg)) if use_gpu else None
+                finals = follow(cfg, run, console, placement, plan, state, setups[0]["start_step"], ckpt_dir,
+                                devices_at_plan, grow)
+                break
+            except WorkerFailure as f:
+                f.handled_unix_s = time.time()
+                resume = _keep_survivors(cfg, placement, f, console, state, on_failure)
         ray.get([a.shutdown.remote() for a in placement.actors])
-    finally:
+    except WorkerFailure as f:
+        t = time.monotonic()
         placement.release()
+        f.teardown_s = time.monotonic() - t
+        raise
+    finally:
+        placement.release()  # a second release finds nothing left to free
     return plan, setups, finals, placement.reports
+
+
+def _phase(state: RunState, name: str, seconds: float) -> None:
+    if state.phases is not None:
+        state.phases.add(name, seconds)
+
+
+def _keep_survivors(cfg: JobConfig, placement: Placement, f: WorkerFailure, console: Console, state: RunState,
+                    on_failure: Callable[[WorkerFailure], str | None]) -> str | None:
+    """Recover from `f` keeping every healthy rank (heal.py): returns where the same plan
+    resumes, with the dead ranks' actors replaced. Re-raises `f` (its `fallback` says why)
+    when the whole world must restart instead."""
+    t = time.monotonic()
+    why = heal.precheck(placement, f, cfg.elastic.keep_survivors)
+    replace, why = ([], why) if why else heal.leave(placement, f, cfg.elastic.leave_timeout_s)
+    if why:
+        f.fallback = why
+        raise f
+    resume = on_failure(f)
+    world = len(placement.actors)
+    record = state.restarts[-1]
+    record["recovery"] = heal.recovery_record("kept_survivors", replaced=replace, kept=world - len(replace))
+    state.phases = Phases(f.detected_unix_s, record)
+    state.phases.add("detection_s", f.handled_unix_s - f.detected_unix_s)
+    state.phases.add("teardown_s", time.monotonic() - t)
+    try:
+        state.phases.add("actor_start_s", placement.respawn(replace, cfg.cluster.placement_timeout_s))
+    except Exception as e:  # noqa: BLE001 - whatever stops them, the whole world restarts instead
+        # The same failure, already recorded: one restart record says both what failed and why
+        # the survivors could not stay after all.
+        f.fallback = f"a replacement rank did not start ({type(e).__name__}: {str(e)[:160]})"
+        f.recorded, f.recorded_resume = True, resume
+        raise f from e
+    console.print(f"[green]{escape(heal.describe_kept(world, replace))}[/]: the same plan resumes")
+    return resume
+
+
+def _full_restart_clock(state: RunState, f: WorkerFailure) -> None:
+    """The restart record of a whole-world restart: why the survivors could not stay, and the
+    clock of its parts (the rest are added as the new attempt goes)."""
+    record = state.restarts[-1]
+    record["recovery"] = heal.recovery_record("full_restart", why=f.fallback or "the ranks had not started training")
+    state.phases = Phases(f.detected_unix_s, record)
+    state.phases.add("detection_s", (f.handled_unix_s or time.time()) - f.detected_unix_s)
+    state.phases.add("teardown_s", f.teardown_s)
 
 
 def _probe(cfg: JobConfig, run: RunDir, console: Console) -> ClusterTopology:

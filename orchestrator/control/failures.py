@@ -37,6 +37,19 @@ class WorkerFailure(Exception):
         self.detected_at = now(self.detected_unix_s)
         self.stacks = stacks
         """The run-directory folder with every rank's stacks (a hang), else None."""
+        # What recovery learns about the failure as it goes (driver.py, heal.py):
+        self.train_refs: list | None = None
+        """Every rank's step-loop future, when it failed while training: survivors' end as they leave."""
+        self.handled_unix_s: float | None = None
+        """When the driver began to recover (detection is the time from `detected_unix_s`)."""
+        self.fallback: str | None = None
+        """Why the survivors could not stay, when the whole world restarts."""
+        self.teardown_s = 0.0
+        """Seconds spent releasing every actor for a whole-world restart."""
+        self.recorded: bool = False
+        """The restart record was written already (the survivors' recovery failed half-way)."""
+        self.recorded_resume: str | None = None
+        """Where that record said the run resumes."""
 
     def restart_record(self, failed_at_step: int, resumed_from_step: int) -> dict[str, Any]:
         """The summary's record of the restart this failure causes."""

@@ -6,6 +6,7 @@ step for too long is a hang; more devices alive at a checkpoint is a regrow."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,9 @@ from ..config import JobConfig
 from ..planning import Plan
 from ..planning.model_spec import ModelSpec
 from . import supervise
-from .failures import Regrow, raise_failure, raise_hang
+from .failures import Regrow, WorkerFailure, raise_failure, raise_hang
+from .phases import Phases
+from .phases import describe as describe_phases
 from .progress import ProgressView
 from .report import RANK_TIMES, LiveReport
 from .rundir import RunDir
@@ -46,6 +49,10 @@ class RunState:
     """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
     spec: ModelSpec | None = None
     """The measured model the planner prices; None for the built-in GPT (its formulas)."""
+    phases: Phases | None = None
+    """The clock of the start or restart whose first step has not come yet."""
+    startup: dict[str, Any] | None = None
+    """Where the seconds to the run's first step went (`Phases.finish`)."""
 
     @property
     def last_step(self) -> int:
@@ -88,6 +95,7 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
     e = cfg.elastic
     watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s))
     report = LiveReport(run, lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}"))
+    t_follow = time.monotonic()
     try:
         with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
             while True:
@@ -102,6 +110,8 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                 timed = any(it["kind"] == "times" for it in items)
                 stepped = any(it["kind"] == "step" for it in items)
                 consume(items, state, run, view, cfg.monitor.log_interval)
+                if stepped and state.phases is not None:
+                    _first_step(state, time.monotonic() - t_follow, console)
                 if stepped:
                     report.maybe()
                 if timed:
@@ -126,9 +136,23 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                 if watchdog.hung():
                     raise_hang(run, placement, watchdog.timeout_s, state.last_step)
         return ray.get(refs)
+    except WorkerFailure as f:
+        f.train_refs = refs  # the survivors' steps, which end once they leave the broken group
+        raise
     finally:
         report.now()  # the state the attempt ended in, whatever ended it; never raises
         ray.kill(sink)
+
+
+def _first_step(state: RunState, seconds: float, console: Console) -> None:
+    """The first step after a start or restart closes its clock (phases.py)."""
+    phases, state.phases = state.phases, None
+    phases.add("first_step_s", seconds)
+    breakdown = phases.finish()
+    if phases.record is None:
+        state.startup = breakdown
+    else:
+        console.print(f"[green]recovered[/] in {escape(describe_phases(breakdown))}")
 
 
 def consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:

@@ -10,6 +10,7 @@ runs, and a layout that differs from the plan stops the run before training.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,37 @@ class Placement:
     group: Any
     actors: list[Any]
     reports: list[dict[str, Any]] = field(default_factory=list)
+    spawn: Any = None
+    """spawn(rank) -> a new worker actor for `rank` in the rank's own bundle (`respawn`)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds to reserve the group (`placement_s`) and to start the actors (`actor_start_s`)."""
+
+    def respawn(self, ranks: list[int], timeout_s: float) -> float:
+        """Replace the actors of `ranks` (dead) by new ones in the same bundles, so the same
+        devices; returns the seconds until they all answered. Raises what their start raised."""
+        t0 = time.monotonic()
+        nodes = {self.reports[r]["node_id"] for r in ranks} if self.reports else set()
+        for r in ranks:
+            try:
+                ray.kill(self.actors[r], no_restart=True)
+            except Exception:  # dead already
+                pass
+            self.actors[r] = self.spawn(r)
+        refs = [self.actors[r].report.remote() for r in ranks]
+        while True:
+            # A bundle whose node died stays pending until the timeout: Ray tells a lost node
+            # seconds after its workers died, so look again while waiting.
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if len(ready) == len(refs):
+                break
+            gone = nodes & {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+            if gone:
+                raise PlacementError(f"node {sorted(gone)[0][:12]} is gone: its ranks cannot start there again")
+            if time.monotonic() - t0 > timeout_s:
+                raise PlacementError(f"the replacement ranks {ranks} did not start within {timeout_s:g} s")
+        for r, report in zip(ranks, ray.get(refs)):
+            self.reports[r] = report
+        return time.monotonic() - t0
 
     def release(self, wait_s: float = 10.0) -> None:
         """Kill every actor and free the group; return once the actors are gone (at most
@@ -125,6 +157,7 @@ def place(
 
     labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
     bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes, labels)
+    t_group = time.monotonic()
     pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
     ready = pg.ready()
     done, _ = ray.wait([ready], timeout=timeout_s)
@@ -157,32 +190,33 @@ def place(
                                  f"plan for all GPUs of each node or free the others") from None
 
     slot_on_node: dict[str, int] = defaultdict(int)
-    actors = []
+    slot_of_rank = []
     for r in ranks:
-        slot = slot_on_node[r.node]
+        slot_of_rank.append(slot_on_node[r.node])
         slot_on_node[r.node] += 1
-        actors.append(
-            Worker.options(
-                name=f"{job}/rank-{r.rank}",
-                num_cpus=cpus_per_worker,
-                num_gpus=1 if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=bundle_of_rank[r.rank]
-                ),
-                # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
-                # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
-                # of its node itself, numbered in PCI bus order as NVML (and the topology) does.
-                runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-                                          "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
-                max_restarts=0,
-            ).remote(r.rank, len(ranks), slot, threads_per_worker)
-        )
-    placement = Placement(group=pg, actors=actors)
+
+    def spawn(rank: int) -> Any:
+        return Worker.options(
+            name=f"{job}/rank-{rank}",
+            num_cpus=cpus_per_worker,
+            num_gpus=1 if use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_of_rank[rank]),
+            # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
+            # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
+            # of its node itself, numbered in PCI bus order as NVML (and the topology) does.
+            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                      "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
+            max_restarts=0,
+        ).remote(rank, len(ranks), slot_of_rank[rank], threads_per_worker)
+
+    t_actors = time.monotonic()
+    placement = Placement(group=pg, actors=[spawn(r.rank) for r in ranks], spawn=spawn)
     try:
-        placement.reports = ray.get([a.report.remote() for a in actors], timeout=timeout_s)
+        placement.reports = ray.get([a.report.remote() for a in placement.actors], timeout=timeout_s)
     except Exception:
         placement.release()
         raise
+    placement.timings = {"placement_s": t_actors - t_group, "actor_start_s": time.monotonic() - t_actors}
     check_layout(plan, placement.reports, use_gpu)
     return placement
 

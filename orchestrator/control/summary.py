@@ -101,6 +101,7 @@ def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall:
         "notes": notes(setups),
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
+        "startup": state.startup,
         "restarts": state.restarts,
         "stragglers": state.stragglers.report(where(plan)),
     }

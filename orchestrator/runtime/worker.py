@@ -12,6 +12,7 @@ import resource
 import socket
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -127,6 +128,11 @@ def memory_use(device, baseline: int) -> MemoryUse:
                      source="rss")
 
 
+class RankLeft(RuntimeError):
+    """This rank's step loop failed (its text is the original traceback) and the rank left its
+    process group; the process stays for the next `setup`."""
+
+
 TIMES_BATCH = 10
 """Steps of per-rank timings sent to the driver at once (one small message per rank per batch)."""
 
@@ -214,26 +220,85 @@ class Worker:
         # Before the process group: NCCL reads its environment when the communicator starts.
         nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
+        t0 = time.monotonic()
         init_process_group(self.rank, self.world, master[0], master[1], backend)
-        self.memory_baseline = memory_baseline(device)
+        t_group = time.monotonic()
+        # A survivor joining a new group keeps the baseline it took before its first model: what
+        # it holds now includes pages its allocator kept from the old one.
+        if getattr(self, "memory_baseline", None) is None:
+            self.memory_baseline = memory_baseline(device)
         from . import checkpoint
 
         self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
         self.trainer = Trainer(cfg, plan, device, model_fn)
+        t_build = time.monotonic()
         self.metrics = TrainMetrics(cfg.name, self.rank, planned_bytes=plan.memory_per_rank.total,
                                     baseline_bytes=self.memory_baseline)
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
         self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
         start = self.trainer.start(resume_from)
-        return {"num_params": self.trainer.num_params,
+        timings = {"process_group_s": t_group - t0, "model_build_s": t_build - t_group,
+                   "state_restore_s": time.monotonic() - t_build}
+        return {"num_params": self.trainer.num_params, "timings": timings,
                 "notes": notes + self.trainer.build_notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
                 "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
 
     def train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
-        """Run optimizer steps [start, end); rank 0 pushes each step's metrics to `sink`."""
+        """Run optimizer steps [start, end); rank 0 pushes each step's metrics to `sink`. On an
+        error (a peer died in a collective) the rank leaves its process group at once and
+        raises: its closed connections end its peers' waits too, so every survivor returns
+        and can join a new group (`setup` again) without its process being replaced."""
+        try:
+            return self._train(start, end, sink, checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - re-raised below, as text
+            failed = "".join(traceback.format_exception(e))
+        # Outside the except block, so the exception and its traceback are gone: their frames
+        # hold the model, and through it the process group, whose connections close only once
+        # nothing refers to it. Closed, they end the other ranks' waits on this one.
+        self.leave()
+        raise RankLeft(failed)
+
+    @ray.method(concurrency_group="control")
+    def abort_collectives(self) -> None:
+        """Abort this rank's communicators from the control thread, so a step blocked in a
+        collective behind a dead peer raises (NCCL's abort; a gloo wait ends when the dead
+        peer's or a leaving survivor's connection closes, which abort cannot hasten)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # already torn down by the failing step: nothing left to abort
+                pass
+
+    def leave(self) -> None:
+        """Drop the model and the process group and keep the process (its imports, its device
+        context) for the next `setup`: what a survivor does before the group re-forms."""
+        import gc
+
+        import torch
+        import torch.distributed as dist
+
+        self.trainer = None
+        self.writer_group = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # an aborted group is gone already
+                pass
+        # Device meshes the model was sharded over are cached with their groups: forget them.
+        from torch.distributed import device_mesh
+
+        if hasattr(device_mesh, "_mesh_resources") and hasattr(device_mesh._mesh_resources, "mesh_stack"):
+            device_mesh._mesh_resources.mesh_stack.clear()
+        gc.collect()  # the last references to the groups go here, and with them their connections
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def _train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
         from . import checkpoint
 
         tr = self.trainer
