@@ -401,6 +401,7 @@ def validate(cfg: JobConfig) -> None:
     _positive(cfg.monitor.log_interval, "monitor.log_interval")
     _positive(cfg.elastic.min_workers, "elastic.min_workers")
     _positive(cfg.elastic.max_workers, "elastic.max_workers", allow_zero=True)
+    _positive(cfg.elastic.leave_timeout_s, "elastic.leave_timeout_s")
     if cfg.elastic.max_workers and cfg.elastic.max_workers < cfg.elastic.min_workers:
         raise ConfigError(
             f"key 'elastic.max_workers': must be 0 or >= elastic.min_workers ({cfg.elastic.min_workers}), "

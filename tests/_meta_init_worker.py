@@ -45,7 +45,7 @@ def run_rank(rank: int, world: int, init_file: str, plans: dict, out_dir: str) -
                 del tr
                 gc.collect()
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def plans(world: int) -> dict[str, dict]:
@@ -130,7 +130,7 @@ def run_accum(rank: int, world: int, init_file: str, plans: dict, out_dir: str) 
         if rank == 0:
             torch.save(out, os.path.join(out_dir, "accum.pt"))
     finally:
-        dist.destroy_process_group()
+        _leave()
 
 
 def run_loaded(rank: int, world: int, init_file: str, overrides: list[str], plan: dict, out_dir: str) -> None:
@@ -143,9 +143,22 @@ def run_loaded(rank: int, world: int, init_file: str, overrides: list[str], plan
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        tr = Trainer(load_config(None, overrides), Plan.from_dict(plan), torch.device("cpu"))
-        held = {name: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for name, v in canonical(tr.par.state_dict(), tr.aliases)["model"].items()}
-        torch.save(held, os.path.join(out_dir, f"loaded-{rank}.pt"))
+        _save_loaded(rank, Trainer(load_config(None, overrides), Plan.from_dict(plan), torch.device("cpu")), out_dir)
     finally:
-        dist.destroy_process_group()
+        _leave()
+
+
+def _save_loaded(rank: int, tr, out_dir: str) -> None:
+    held = {name: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for name, v in canonical(tr.par.state_dict(), tr.aliases)["model"].items()}
+    torch.save(held, os.path.join(out_dir, f"loaded-{rank}.pt"))
+
+
+def _leave() -> None:
+    """Free the model (and with it the groups it holds) before the group is destroyed: a group
+    still referenced at interpreter exit is torn down by C++ static destruction, which can
+    abort the process ("terminate called without an active exception") after its work is done."""
+    gc.collect()
+    dist.barrier()  # nobody tears down while a peer still reads
+    dist.destroy_process_group()
+    gc.collect()

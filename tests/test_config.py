@@ -57,6 +57,8 @@ def test_overrides_are_typed():
         (["parallel.tp=3"], "must divide model.n_head"),
         (["model.n_embd=130"], "divisible by model.n_head"),
         (["train.max_steps=0"], "train.max_steps"),
+        (["elastic.leave_timeout_s=0"], "elastic.leave_timeout_s"),
+        (["elastic.keep_survivors=maybe"], "elastic.keep_survivors"),
         (["data.path=/no/such/file.txt"], "data.path"),
         (["justakey"], "expected key=value"),
     ],

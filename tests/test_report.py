@@ -75,7 +75,9 @@ def _summary(plan, run: Path) -> dict:
         "restarts": [{"time": "2026-12-05T10:00:00+0000", "detected_at": "2026-12-05T09:59:58+0000",
                       "detected_unix_s": 1.0, "reason": "worker died: <killed> & gone", "ranks": [1],
                       "nodes": ["abcdef0123456789"], "failed_at_step": 14, "resumed_from_step": 10,
-                      "steps_lost": 4}],
+                      "steps_lost": 4, "recovery": {"kind": "kept_survivors", "replaced": [1], "kept": 3},
+                      "breakdown": {"detection_s": 0.2, "actor_start_s": 3.1, "total_s": 5.5,
+                                    "largest": "actor_start_s"}}],
         "stragglers": [{"rank": SLOW_RANK, "node": "node0", "gpu": SLOW_RANK, "link": None, "work_s": 0.4,
                         "median_work_s": 0.2, "ratio": 2.0}],
     }
@@ -132,6 +134,8 @@ def test_a_complete_run_has_every_section_each_picture_and_its_straggler_marked(
     assert "2.00x" in sections["predicted"]  # measured step time over predicted
     assert "by more than 2x" in sections["predicted"]
     assert "worker died: &lt;killed&gt; &amp; gone" in sections["restarts"]  # escaped
+    assert "kept 3 rank(s), replaced [1]" in sections["restarts"]
+    assert "5.5 s (largest: actor start 3.1 s)" in sections["restarts"]
     assert "step_00000020" in sections["checkpoints"]
 
 

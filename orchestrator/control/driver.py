@@ -147,7 +147,10 @@ def _keep_survivors(cfg: JobConfig, placement: Placement, f: WorkerFailure, cons
     resumes, with the dead ranks' actors replaced. Re-raises `f` (its `fallback` says why)
     when the whole world must restart instead."""
     t = time.monotonic()
-    why = heal.precheck(placement, f, cfg.elastic.keep_survivors)
+    # A restart's clock still open: this failure came before the recovered world's first step.
+    again = state.phases is not None and state.phases.record is not None
+    why = (f"rank(s) {f.ranks} failed again before the recovered group's first step" if again
+           else heal.precheck(placement, f, cfg.elastic.keep_survivors))
     replace, why = ([], why) if why else heal.leave(placement, f, cfg.elastic.leave_timeout_s)
     if why:
         f.fallback = why

@@ -565,12 +565,32 @@ def section_restarts(inp: Inputs) -> str:
     rows = [[str(r.get("detected_at") or r.get("time") or "-"), "grow" if r.get("grow") else "failure",
              str(r.get("reason", "-")), ", ".join(map(str, r.get("ranks") or [])) or "-",
              ", ".join(str(n)[:12] for n in r.get("nodes") or []) or "-", str(r.get("failed_at_step", "-")),
-             str(r.get("resumed_from_step", "-")), str(r.get("steps_lost", "-")), str(r.get("stacks") or "-")]
+             str(r.get("resumed_from_step", "-")), str(r.get("steps_lost", "-")), recovery_text(r.get("recovery")),
+             cost_text(r.get("breakdown")), str(r.get("stacks") or "-")]
             for r in restarts]
     lost = sum(r.get("steps_lost") or 0 for r in restarts if isinstance(r.get("steps_lost"), int))
     return (f"<p>{len(restarts)} restart(s), {lost} step(s) trained again.</p>"
             + table(["detected", "kind", "cause", "ranks", "nodes", "at step", "resumed from", "steps lost",
-                     "stacks"], rows))
+                     "recovery", "cost", "stacks"], rows))
+
+
+def recovery_text(recovery: Any) -> str:
+    """How the run recovered: survivors kept (which ranks were replaced) or the whole world restarted (why)."""
+    if not isinstance(recovery, dict):
+        return "-"
+    if recovery.get("kind") == "kept_survivors":
+        return f"kept {recovery.get('kept', '?')} rank(s), replaced {recovery.get('replaced', '?')}"
+    return f"whole world restarted: {recovery.get('why', '?')}"
+
+
+def cost_text(breakdown: Any) -> str:
+    """The restart's seconds to its first step, and its largest part."""
+    if not isinstance(breakdown, dict) or num(breakdown.get("total_s")) is None:
+        return "-"
+    largest = breakdown.get("largest")
+    part = (f" (largest: {str(largest).removesuffix('_s').replace('_', ' ')} {num(breakdown.get(largest)) or 0:.1f} s)"
+            if largest else "")
+    return f"{num(breakdown['total_s']):.1f} s{part}"
 
 
 STEP_DIR = re.compile(r"step_(\d+)$")
