@@ -40,6 +40,8 @@ class Placement:
     def respawn(self, ranks: list[int], timeout_s: float) -> float:
         """Replace the actors of `ranks` (dead) by new ones in the same bundles, so the same
         devices; returns the seconds until they all answered. Raises what their start raised."""
+        if not ranks:  # a rank raised and none died: every process stays
+            return 0.0
         t0 = time.monotonic()
         nodes = {self.reports[r]["node_id"] for r in ranks} if self.reports else set()
         for r in ranks:
