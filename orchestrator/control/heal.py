@@ -52,12 +52,15 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
         stuck = sorted(survivors[waiting.index(p)] for p in pending)
         return [], (f"rank(s) {stuck} did not leave the broken collective within {timeout_s:g} s "
                     f"(elastic.leave_timeout_s)")
-    died = []
-    for r in survivors:
+    # All at once: a rank whose step failed has left already, and this only confirms it.
+    left = {placement.actors[r].leave.remote(): r for r in survivors}
+    ready, late = ray.wait(list(left), num_returns=len(left), timeout=timeout_s)
+    died = [left[ref] for ref in late]  # no answer in time: killed and replaced too (respawn kills first)
+    for ref in ready:
         try:
-            ray.get(placement.actors[r].leave.remote(), timeout=timeout_s)
-        except (RayActorError, RayTaskError, ray.exceptions.GetTimeoutError):
-            died.append(r)  # it did not survive leaving: it is replaced too
+            ray.get(ref)
+        except (RayActorError, RayTaskError):
+            died.append(left[ref])  # it did not survive leaving: it is replaced too
     if len(died) == len(survivors):
         return [], "no rank survived leaving the broken group"
     return sorted(failed | set(died)), None
