@@ -3,7 +3,8 @@ job on its embedded cluster, scraped by Debian's `prometheus` with the scrape co
 writes into the session, and every PromQL expression of the dashboard run over the job's time.
 A panel whose query returns nothing, or that should split by rank or node and does not, fails.
 The same run shows the Ray dashboard naming the job, the token hint, the Grafana dashboard
-installed where Ray provisions its own, and the one line for a Grafana that is not there."""
+installed where Ray provisions its own, the one line for a Grafana that is not there, and its
+report.html opened in real headless Chromium."""
 
 from __future__ import annotations
 
@@ -83,8 +84,8 @@ def scraped_run(tmp_path_factory):
                RAY_GRAFANA_HOST=f"http://127.0.0.1:{grafana_port}")  # nothing there: the one-line hint
     log = tmp / "submit.log"
     job = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", "train.max_steps=90",
-         "train.eval_interval=30", "monitor.progress=false", f"monitor.runs_dir={tmp / 'runs'}"],
+        [sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml", "train.max_steps=70",
+         "train.eval_interval=35", "monitor.progress=false", f"monitor.runs_dir={tmp / 'runs'}"],
         cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     prom = None
     try:
@@ -209,3 +210,12 @@ def test_the_jobs_page_names_the_run(scraped_run):
     assert named, f"no job named llm on the dashboard's Jobs API: {scraped_run['jobs']}"
     assert named[0]["metadata"]["run_dir"] == str(scraped_run["run_dir"])
 
+
+
+def test_the_runs_report_opens_cleanly_in_chromium(scraped_run, tmp_path):
+    from test_report import RANK_TIMES, REPORT, _said, check_in_chromium
+
+    run = scraped_run["run_dir"]
+    assert (run / RANK_TIMES).is_file()
+    sections = check_in_chromium(run / REPORT, tmp_path / "report.png")
+    assert "finished" in sections["run"] and not _said(sections["ranks"])
