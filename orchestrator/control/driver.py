@@ -63,6 +63,7 @@ def run_job(
     announce(console, dashboard_url)
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
     resume = resume_from
+
     def on_failure(f: WorkerFailure) -> str | None:
         return _after_failure(f, cfg, console, state, ckpt_dir, run, resume_from)
 
