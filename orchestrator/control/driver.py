@@ -159,7 +159,7 @@ def _keep_survivors(cfg: JobConfig, placement: Placement, f: WorkerFailure, cons
     resume = on_failure(f)
     world = len(placement.actors)
     record = state.restarts[-1]
-    record["recovery"] = heal.recovery_record("kept_survivors", replaced=replace, kept=world - len(replace))
+    record["recovery"] = {"kind": "kept_survivors", "replaced": replace, "kept": world - len(replace)}
     state.phases = Phases(f.detected_unix_s, record)
     state.phases.add("detection_s", f.handled_unix_s - f.detected_unix_s)
     state.phases.add("teardown_s", time.monotonic() - t)
@@ -179,7 +179,7 @@ def _full_restart_clock(state: RunState, f: WorkerFailure) -> None:
     """The restart record of a whole-world restart: why the survivors could not stay, and the
     clock of its parts (the rest are added as the new attempt goes)."""
     record = state.restarts[-1]
-    record["recovery"] = heal.recovery_record("full_restart", why=f.fallback or "the ranks had not started training")
+    record["recovery"] = {"kind": "full_restart", "why": f.fallback or "the ranks had not started training"}
     state.phases = Phases(f.detected_unix_s, record)
     state.phases.add("detection_s", (f.handled_unix_s or time.time()) - f.detected_unix_s)
     state.phases.add("teardown_s", f.teardown_s)

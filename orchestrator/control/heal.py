@@ -10,8 +10,6 @@ the whole world as before (re-probing and re-planning: the world may have change
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -45,8 +43,7 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
         ray.kill(placement.actors[r], no_restart=True)
     for r in survivors:  # NCCL waits end only by abort; it is harmless elsewhere
         placement.actors[r].abort_collectives.remote()
-    refs = failure.train_refs
-    waiting = [refs[r] for r in survivors if r < len(refs)]
+    waiting = [failure.train_refs[r] for r in survivors]
     done, pending = ray.wait(waiting, num_returns=len(waiting), timeout=timeout_s) if waiting else ([], [])
     if pending:
         stuck = sorted(survivors[waiting.index(p)] for p in pending)
@@ -68,9 +65,3 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
 
 def describe_kept(world: int, replaced: list[int]) -> str:
     return f"kept {world - len(replaced)} of {world} ranks, replaced rank(s) {replaced}"
-
-
-def recovery_record(kind: str, **extra: Any) -> dict[str, Any]:
-    """The restart record's `recovery`: `kept_survivors` (with `replaced` and `kept`) or
-    `full_restart` (with `why`)."""
-    return {"kind": kind, **extra}
