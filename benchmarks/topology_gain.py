@@ -1,6 +1,6 @@
 """Topology gain, measured: the aware plan against the equal-links plan on a shaped cluster.
 
-    sudo python benchmarks/topology_gain.py --nodes 2 --per-node 2 --inter-gbit G --inter-ms M [--quick]
+    sudo python benchmarks/topology_gain.py --nodes 2 --per-node 2 --inter-gbit G [G ...] --inter-ms M [--quick]
 
 Builds a local cluster of N Ray nodes, each in its own network namespace, whose links to each
 other are shaped to G Gbit/s (`orchestrator.testbed`); loopback inside a node stays unshaped.
@@ -13,11 +13,16 @@ latency of the namespaces' own path, nothing else. Inside the head's namespace i
 * aware: the plan made from the measured topology;
 * blind: the plan the same search makes when it sees every link alike: the inter-node link
   given the intra-node link's measured bandwidth and latency (the equal-links baseline of
-  `placement_gain.py`), its choice then run on the real, shaped cluster.
+  `placement_gain.py`), its choice then run on the real, shaped cluster;
+* trial: the aware job with `parallel.trial=3`: the planner's choice, the equal-links plan and
+  the fastest runner-up inside the cost model's error band each run a few steps on the
+  cluster before the run, and the fastest measured one trains (what a user gets).
 
-The two alternate (aware, blind, then blind, aware, ...) for `--rounds` rounds, so that a
-host whose load drifts slows both alike; each plan's figure is the median of its steady steps
-(the first of every run dropped) over all its rounds.
+The three alternate (aware, blind, trial, then in reverse order, ...) for `--rounds` rounds,
+so that a host whose load drifts slows all alike; each plan's figure is the median of its
+steady steps (the first of every run dropped) over all its rounds. Several `--inter-gbit`
+rates sweep in one invocation, a fresh shaped cluster each; every rate writes its own JSON and
+the sweep one table (results/topology_gain_sweep.json).
 
 The job is one whose plan the wiring decides: a GPT with a large vocabulary and a small body
 (n_embd 256, 2 layers, vocab 50304, 32-token blocks, 2 sequences per rank). Its 14.5M
@@ -31,8 +36,8 @@ network from each rank (per node, n bytes out instead of a flat ring's 2(p-1)/p 
 parallelism is pinned off (`parallel.tp=1`): splitting a 256-wide layer over CPU slots buys
 nothing, and it is the data-parallel sync this measures. The planner's predicted step time of
 each plan on the measured cluster is reported beside the measured one; the last line printed
-is one JSON object. Writes benchmarks/results/topology_gain_<G>gbit.json (or --out). Needs
-root (namespaces).
+is one JSON object. Writes benchmarks/results/topology_gain_<G>gbit.json (or --out, for one
+rate). Needs root (namespaces).
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ WARMUP_STEPS = 2
 def options(ap) -> None:
     ap.add_argument("--nodes", type=int, default=2, help="Ray nodes, one network namespace each")
     ap.add_argument("--per-node", type=int, default=2, help="CPU-slot workers per node")
-    ap.add_argument("--inter-gbit", type=float, default=0.2, help="inter-node link, Gbit/s per direction")
+    ap.add_argument("--inter-gbit", type=float, nargs="+", default=[0.2],
+                    help="inter-node link, Gbit/s per direction; several sweep, a fresh cluster each")
     ap.add_argument("--inter-ms", type=float, default=0.0,
                     help="inter-node one-way delay, ms (applied only where the kernel has netem)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 10, --quick 6)")
@@ -123,20 +129,30 @@ def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, options)
+    if len(args.inter_gbit) > 1 and args.out:
+        raise SystemExit("error: --out names one file; a sweep writes one per rate")
+    rates = [measure_rate(args, gbit, argv) for gbit in args.inter_gbit]
+    if len(rates) > 1:
+        sweep(args, rates)
+    return 0
+
+
+def measure_rate(args, gbit: float, argv: list[str] | None) -> dict[str, Any]:
+    """Aware, blind and trial runs on a cluster shaped to `gbit`; writes and returns its result."""
     from orchestrator.testbed.cluster import ClusterSpec, ShapedCluster
     from orchestrator.testbed.network import NetworkSpec, Shaping
 
     steps = args.steps or (6 if args.quick else 10)
     rounds = args.rounds or (1 if args.quick else 3)
     t0 = time.perf_counter()
-    spec = ClusterSpec(nodes=args.nodes, slots_per_node=args.per_node, shaping=Shaping(args.inter_gbit, args.inter_ms),
+    spec = ClusterSpec(nodes=args.nodes, slots_per_node=args.per_node, shaping=Shaping(gbit, args.inter_ms),
                        network=NetworkSpec(args.prefix, args.subnet))
     loads = []
     with tempfile.TemporaryDirectory(prefix="topology-gain-") as tmp, ShapedCluster(spec) as cluster:
         env = {"ORCHESTRATOR_MEASURE_CACHE": f"{tmp}/measure"}
         delay = ("applied" if cluster.delay_applied else
                  "NOT applied: this kernel has no netem, so the link has its rate and no added delay")
-        print(f"shaped cluster up: {args.nodes} nodes x {args.per_node} slots, {args.inter_gbit} Gbit/s, "
+        print(f"shaped cluster up: {args.nodes} nodes x {args.per_node} slots, {gbit} Gbit/s, "
               f"{args.inter_ms} ms one way (delay {delay})", flush=True)
         probe = json.loads(_in_head(cluster, ["probe", "--measure", "--json", "--address", "auto"], env))
         net = probe["network"]
@@ -150,12 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"train.max_steps={steps}", f"train.eval_interval={steps}", "train.eval_iters=1",
                   "checkpoint.enabled=false", "monitor.progress=false", "monitor.dashboard=false",
                   "cluster.address=auto", f"cluster.num_workers={args.per_node}", "cluster.measure=true"]
-        plans = {"aware": common, "blind": [*common, f"cluster.inter_node_gbps={intra_gbps}",
-                                            f"cluster.inter_node_latency_us={intra_lat}"]}
-        runs: dict[str, list[dict[str, Any]]] = {"aware": [], "blind": []}
+        plans = {"aware": [*common, "parallel.trial=off"],
+                 "blind": [*common, "parallel.trial=off", f"cluster.inter_node_gbps={intra_gbps}",
+                           f"cluster.inter_node_latency_us={intra_lat}"],
+                 "trial": [*common, "parallel.trial=3"]}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in plans}
         for r in range(rounds):
-            # Alternate which goes first, so a drift in the host's load favours neither.
-            for name in (("aware", "blind") if r % 2 == 0 else ("blind", "aware")):
+            # Alternate the order, so a drift in the host's load favours none.
+            for name in (tuple(plans) if r % 2 == 0 else tuple(reversed(plans))):
                 run = _submit(cluster, env, Path(tmp) / "runs" / name, plans[name])
                 loads.append(os.getloadavg()[0])
                 runs[name].append(run)
@@ -163,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"median {statistics.median(run['steps']):.3f} s over {len(run['steps'])} steps, "
                       f"load {loads[-1]:.1f}", flush=True)
     result: dict[str, Any] = {}
-    for name in ("aware", "blind"):
+    for name in plans:
         first = runs[name][0]
         all_steps = [s for run in runs[name] for s in run["steps"]]
         result[name] = {k: first[k] for k in ("strategy", "mesh", "sync", "micro_batch_size", "recompute")}
@@ -171,29 +189,34 @@ def main(argv: list[str] | None = None) -> int:
                             run_medians=[statistics.median(run["steps"]) for run in runs[name]],
                             planned_step_s=first["predicted_step_s"],
                             priced_on_measured=price_on(probe, common, first))
-    a, b = result["aware"]["measured_step_s"], result["blind"]["measured_step_s"]
+    result["trial"]["choices"] = [_trial_choice(run) for run in runs["trial"]]
+    a, b, t = (result[k]["measured_step_s"] for k in ("aware", "blind", "trial"))
     pa = result["aware"]["planned_step_s"]
     pb = result["blind"]["priced_on_measured"]["step_s"]
     rows = [[name, r["strategy"], "x".join(str(v) for v in r["mesh"].values()), r["sync"], pred,
              r["measured_step_s"], r["steps_timed"]]
             for name, r, pred in (("aware (measured links)", result["aware"], pa),
-                                  ("blind (equal links)", result["blind"], pb))]
+                                  ("blind (equal links)", result["blind"], pb),
+                                  ("trial (parallel.trial=3)", result["trial"], result["trial"]["planned_step_s"]))]
     delay = "applied" if cluster.delay_applied else "none (no netem)"
-    print_table(f"{args.nodes}x{args.per_node} CPU slots, inter-node {args.inter_gbit} Gbit/s "
+    print_table(f"{args.nodes}x{args.per_node} CPU slots, inter-node {gbit} Gbit/s "
                 f"(probe: {measured_gbit:.3g} Gbit/s), delay {delay}",
                 ["plan", "strategy", "mesh", "sync", "predicted step s", "measured step s", "steps timed"], rows,
-                caption="mesh: dp_replicate x dp_shard x tp; predicted: the aware plan's own figure, the blind plan "
-                        "priced on the measured cluster; "
+                caption="mesh: pp x dp_replicate x dp_shard x tp; predicted: the aware plan's own figure, the blind "
+                        "plan priced on the measured cluster, the trial's kept plan's own figure; "
                         f"measured: median over {rounds} interleaved runs each")
-    summary = {"nodes": args.nodes, "per_node": args.per_node, "inter_gbit": args.inter_gbit,
+    summary = {"nodes": args.nodes, "per_node": args.per_node, "inter_gbit": gbit,
                "inter_ms": args.inter_ms, "delay_applied": cluster.delay_applied,
-               "measured_inter_gbit": measured_gbit, "probe_error": rel_error(measured_gbit, args.inter_gbit)
-               if args.inter_gbit else None, "measured_inter_latency_us": net["latency_us"],
-               "aware_step_s": a, "blind_step_s": b, "speedup": b / a,
+               "measured_inter_gbit": measured_gbit, "probe_error": rel_error(measured_gbit, gbit)
+               if gbit else None, "measured_inter_latency_us": net["latency_us"],
+               "aware_step_s": a, "blind_step_s": b, "speedup": b / a, "trial_step_s": t, "trial_speedup": b / t,
+               "trial_vs_blind_ok": t <= b / 0.98,
                "predicted_aware_step_s": pa, "predicted_error": rel_error(pa, a),
                "predicted_blind_step_s": pb, "predicted_blind_error": rel_error(pb, b),
-               "predicted_speedup": pb / pa, "load_average": [min(loads), max(loads)]}
-    out = args.out or ROOT / "benchmarks" / "results" / f"topology_gain_{args.inter_gbit:g}gbit.json"
+               "predicted_speedup": pb / pa, "speedup_prediction_error": rel_error(pb / pa, b / a),
+               "load_average": [min(loads), max(loads)]}
+    one = len(args.inter_gbit) == 1
+    out = (args.out if one else None) or ROOT / "benchmarks" / "results" / f"topology_gain_{gbit:g}gbit.json"
     args.out = out
     arguments = list(argv if argv is not None else sys.argv[1:])
     out = write_result("topology_gain", {**summary, **result, "arguments": arguments, "probe_topology": probe,
@@ -201,9 +224,43 @@ def main(argv: list[str] | None = None) -> int:
                                          "steps_per_run": steps, "intra_node_gbps": intra_gbps,
                                          "intra_node_latency_us": intra_lat,
                                          "seconds": time.perf_counter() - t0}, args)
+    args.out = None
     print(f"wrote {out}")
-    print(json.dumps(summary))
-    return 0
+    print(json.dumps(summary), flush=True)
+    return {**summary, "aware": result["aware"], "blind": result["blind"], "trial": result["trial"]}
+
+
+def _trial_choice(run: dict[str, Any]) -> dict[str, Any]:
+    """What a trial run's plan.json says its trial measured and kept."""
+    trial = json.loads((Path(run["run_dir"]) / "plan.json").read_text()).get("trial") or {}
+    if "skipped" in trial:
+        return {"skipped": trial["skipped"]}
+    kept = trial["candidates"][trial["winner"]]
+    return {"kept": kept["label"], "overruled": trial["overruled"], "cost_s": trial["cost_s"],
+            "candidates": [{k: c[k] for k in ("label", "strategy", "mesh", "sync", "predicted_step_s",
+                                              "measured_step_s", "failed")} for c in trial["candidates"]]}
+
+
+def sweep(args, rates: list[dict[str, Any]]) -> None:
+    """One row per rate: what the probe read, each plan, measured and predicted speedups."""
+    def plan_of(r: dict[str, Any]) -> str:
+        return f"{r['strategy']} {'x'.join(str(v) for v in r['mesh'].values())} {r['sync']}"
+
+    rows = [[r["inter_gbit"], round(r["measured_inter_gbit"], 3), plan_of(r["aware"]), plan_of(r["blind"]),
+             ", ".join(c.get("kept", "skipped") for c in r["trial"]["choices"]), r["aware_step_s"], r["blind_step_s"],
+             r["trial_step_s"], r["speedup"], r["predicted_speedup"], r["trial_speedup"]] for r in rates]
+    print_table("topology gain by link rate",
+                ["Gbit/s", "probe", "aware plan", "blind plan", "trial kept", "aware s", "blind s", "trial s",
+                 "speedup", "predicted", "trial speedup"], rows,
+                caption="speedup: blind / aware measured step time; trial speedup: blind / the trial's kept plan")
+    args.out = ROOT / "benchmarks" / "results" / "topology_gain_sweep.json"
+    keys = ("inter_gbit", "measured_inter_gbit", "aware_step_s", "blind_step_s", "trial_step_s", "speedup",
+            "predicted_speedup", "speedup_prediction_error", "trial_speedup", "trial_vs_blind_ok")
+    out = write_result("topology_gain_sweep", {"rates": [{**{k: r[k] for k in keys},
+                                                          "aware": plan_of(r["aware"]), "blind": plan_of(r["blind"]),
+                                                          "trial": r["trial"]["choices"]} for r in rates],
+                                               "arguments": list(args.argv)}, args)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -145,6 +145,17 @@ class ParallelConfig:
     `per_micro_step` (reduce-scatter every micro-step: sharded gradients, traffic x accum) or
     `last_micro_step` (keep unsharded gradients until the last micro-step: one reduction).
     DDP, ZeRO-1 and pipelines always run `last_micro_step`."""
+    trial: Union[int, str, bool] = "auto"
+    """Confirm the plan by a short trial on the real cluster before the run: `auto` (on
+    multi-node runs long enough to pay for it: up to 3 plans, the planner's choice, the plan
+    that assumes equal links and the fastest runner-up inside the cost model's error band),
+    `off`, or a number of plans (at least 2; runs whatever the run's length). The fastest
+    measured plan is the one that trains; plan.json's `trial` says what each measured."""
+    trial_steps: int = 3
+    """Timed steps of each trial plan (after one untimed warm-up step)."""
+    trial_budget: float = 0.05
+    """The share of the run's predicted time a `parallel.trial=auto` trial may take; a run too
+    short for it skips the trial."""
 
 
 @dataclass
@@ -376,6 +387,13 @@ def validate(cfg: JobConfig) -> None:
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
     _auto_or_positive_int(p.pp, "parallel.pp")
     _auto_or_positive_int(p.pp_microbatches, "parallel.pp_microbatches")
+    if p.trial is False:  # YAML reads a bare `off` as false
+        p.trial = "off"
+    if p.trial not in ("auto", "off") and (isinstance(p.trial, (bool, str)) or p.trial < 2):
+        raise ConfigError(f"key 'parallel.trial': expected 'auto', 'off' or a number of plans >= 2, got {p.trial!r}")
+    _positive(p.trial_steps, "parallel.trial_steps")
+    if not 0 < p.trial_budget < 1:
+        raise ConfigError(f"key 'parallel.trial_budget': a share of the run in (0, 1), got {p.trial_budget!r}")
     if p.pp != "auto" and p.pp > m.n_layer:
         raise ConfigError(f"key 'parallel.pp': at most model.n_layer ({m.n_layer}) stages, one block each at least, "
                           f"got {p.pp}")

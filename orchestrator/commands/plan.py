@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "('NVIDIA A100-SXM4-40GB'); an SXM part adds the NVSwitch fabric an NCCL XML cannot show")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--svg", metavar="OUT", help="write a drawing of the rank layout on the topology to OUT")
+    parser.add_argument("--calibration", metavar="RUN",
+                        help="price the plans with the measured / predicted ratios a run's trial wrote "
+                             "(RUN/calibration.json, parallel.trial), so the plan starts from what this cluster did")
     parser.add_argument("--rehearse", action="store_true",
                         help="run one training step of the plan's first rank (and last stage's) in this process on "
                              "fake tensors and a fake process group, and compare its memory and collectives with "
@@ -70,6 +73,8 @@ def live_topology(cfg: JobConfig) -> ClusterTopology:
 
 def run(args: argparse.Namespace) -> int:
     from ..planning import plan_job
+    from ..planning.calibration import Calibration
+    from ..planning.calibration import load as load_calibration
     from ..planning.render import render_svg, render_text
     from ..workloads.source import is_builtin_gpt
 
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.insert(0, args.job)  # `plan key=value` with no job file
         args.job = None
     cfg = load_config(args.job, overrides)
+    calibration = load_calibration(args.calibration) if args.calibration else Calibration()
     if args.gpu:
         cfg.cluster.gpu = args.gpu
     if args.nodes is not None and args.nodes < 1:
@@ -96,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         from ..workloads.inspect import model_spec
 
         spec = model_spec(cfg.model)
-    plan = plan_job(cfg, topo, spec=spec)
+    plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))
     if args.json:

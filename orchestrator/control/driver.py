@@ -25,10 +25,11 @@ from ..planning import Plan, plan_job
 from ..planning.cluster_view import plannable
 from ..planning.mesh import Mesh
 from ..planning.model_spec import ModelSpec
+from ..planning.trial import pinned
 from ..runtime import checkpoint_files
 from ..runtime.metrics import record_restarts
 from ..topology.model import ClusterTopology
-from . import heal
+from . import heal, trial
 from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
 from .failures import Regrow, WorkerFailure, raise_failure
 from .follow import RunState, follow
@@ -106,7 +107,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     view = limit_world(cfg, view)
     devices_at_plan = view.num_devices
     t_plan = time.monotonic()
-    plan = _plan(cfg, view, run, console, left_out, state.spec, use_gpu)
+    plan = _plan(cfg, view, run, console, left_out, state, use_gpu)
     _phase(state, "probe_s", t_plan - t)
     _phase(state, "plan_s", time.monotonic() - t_plan)
     placement = _place(cfg, plan, console, use_gpu)
@@ -114,6 +115,9 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
         _phase(state, name, seconds)
     try:
         run.write_json("placement.json", placement.reports)
+        if state.trial is None:  # once per run: a restart trains what the trial chose
+            plan = trial.conduct(cfg, view, topology, plan, placement, run, console, state, use_gpu, left_out)
+            run.write_json("placement.json", placement.reports)
         while True:
             try:
                 setups = _start(cfg, plan, topology, run, console, placement, state, resume, use_gpu)
@@ -199,12 +203,23 @@ def _probe(cfg: JobConfig, run: RunDir, console: Console) -> ClusterTopology:
     return topology
 
 
-def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, left_out, spec: ModelSpec | None,
+def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, left_out, state: RunState,
           use_gpu: bool) -> Plan:
     """The plan that keeps the global batch on the part of `view` it uses (`elastic`), written
-    to plan.json, even when refused: it then says why."""
+    to plan.json, even when refused: it then says why. After a trial, a world of the same size
+    runs the plan the trial kept."""
+    spec = state.spec
+    kept = state.trial_plan
+    plan = None
+    if kept is not None and view.num_devices == kept.world_size:
+        try:
+            plan, _, note = plan_keeping_batch(pinned(cfg, kept), view, spec, left_out)
+            note = f"trial: the run keeps the plan its trial measured fastest ({kept.strategy} on {kept.mesh})"
+        except PlanError:
+            plan = None  # the same size, another world: planned afresh below
     try:
-        plan, _, note = plan_keeping_batch(cfg, view, spec, left_out)
+        if plan is None:
+            plan, _, note = plan_keeping_batch(cfg, view, spec, left_out)
     except PlanError:
         try:
             run.write_json("plan.json", plan_job(cfg, view, spec, left_out=left_out).to_dict())
@@ -213,7 +228,7 @@ def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, 
         raise
     if note:
         plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
-    run.write_json("plan.json", plan.to_dict())
+    run.write_json("plan.json", {**plan.to_dict(), **({"trial": state.trial} if state.trial else {})})
     for x in plan.left_out:
         console.print(f"left out: {escape(str(x))}")
     if note:
@@ -247,7 +262,8 @@ def _start(cfg: JobConfig, plan: Plan, topology: ClusterTopology, run: RunDir, c
         master = ray.get(actors[0].rendezvous_address.remote())
         with console.status("starting the process group and building the model"):
             setups = ray.get([
-                a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r], state.model_fn)
+                a.setup.remote(cfg, plan, master, resume, affinity[r] if use_gpu else None, nccl[r], state.model_fn,
+                               rank=r)
                 for r, a in enumerate(actors)
             ])
     except (RayActorError, RayTaskError) as e:

@@ -53,6 +53,10 @@ class RunState:
     """The clock of the start or restart whose first step has not come yet."""
     startup: dict[str, Any] | None = None
     """Where the seconds to the run's first step went (`Phases.finish`)."""
+    trial: dict[str, Any] | None = None
+    """plan.json's `trial` section, once the run's trial ran or was skipped (once per run)."""
+    trial_plan: Plan | None = None
+    """The plan the trial kept; a restart on the same world size trains it again."""
 
     @property
     def last_step(self) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 
 PART_NAMES = {
     "detection_s": "detection", "teardown_s": "teardown", "probe_s": "probe", "plan_s": "plan",
-    "placement_s": "placement", "actor_start_s": "actor start", "process_group_s": "process group",
+    "placement_s": "placement", "actor_start_s": "actor start", "trial_s": "trial",
+    "process_group_s": "process group",
     "model_build_s": "model build", "state_restore_s": "state restore", "first_step_s": "first step",
 }
 """Each part's key and how the console names it, in the order they happen."""

@@ -33,9 +33,30 @@ class Placement:
     actors: list[Any]
     reports: list[dict[str, Any]] = field(default_factory=list)
     spawn: Any = None
-    """spawn(rank) -> a new worker actor for `rank` in the rank's own bundle (`respawn`)."""
+    """spawn(slot) -> a new worker actor in the bundle of `slot` (`respawn`)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds to reserve the group (`placement_s`) and to start the actors (`actor_start_s`)."""
+    devices: list[tuple[str, int]] = field(default_factory=list)
+    """(node id, device index) each slot holds: the planned rank's device when placed."""
+    slots: list[int] = field(default_factory=list)
+    """The slot of each rank, in rank order: the identity until a plan over the same devices
+    lays the ranks out otherwise (`adopt`)."""
+
+    def adopt(self, plan: Plan) -> None:
+        """Re-rank the running actors for `plan`, a plan over the devices already held: the
+        actor on each device becomes the rank `plan` puts there. No actor is restarted.
+        PlacementError when `plan` needs a device this placement does not hold."""
+        slot_at = {dev: i for i, dev in enumerate(self.devices)}
+        want = [(r.node, r.gpu) for r in plan.ranks]
+        missing = [f"{n[:8]}:{g}" for n, g in want if (n, g) not in slot_at]
+        if missing or len(want) != len(self.devices):
+            raise PlacementError(f"the plan needs devices {missing or want} that the placement of "
+                                 f"{len(self.devices)} does not hold")
+        actor_of = {self.slots[r]: a for r, a in enumerate(self.actors)}
+        report_of = {self.slots[r]: rep for r, rep in enumerate(self.reports)}
+        self.slots = [slot_at[d] for d in want]
+        self.actors = [actor_of[s] for s in self.slots]
+        self.reports = [{**report_of[s], "rank": r} for r, s in enumerate(self.slots)] if report_of else []
 
     def respawn(self, ranks: list[int], timeout_s: float) -> float:
         """Replace the actors of `ranks` (dead) by new ones in the same bundles, so the same
@@ -49,7 +70,7 @@ class Placement:
                 ray.kill(self.actors[r], no_restart=True)
             except Exception:  # dead already
                 pass
-            self.actors[r] = self.spawn(r)
+            self.actors[r] = self.spawn(self.slots[r])
         refs = [self.actors[r].report.remote() for r in ranks]
         while True:
             # A bundle whose node died stays pending until the timeout: Ray tells a lost node
@@ -63,7 +84,7 @@ class Placement:
             if time.monotonic() - t0 > timeout_s:
                 raise PlacementError(f"the replacement ranks {ranks} did not start within {timeout_s:g} s")
         for r, report in zip(ranks, ray.get(refs)):
-            self.reports[r] = report
+            self.reports[r] = {**report, "rank": r}
         return time.monotonic() - t0
 
     def release(self, wait_s: float = 10.0) -> None:
@@ -197,22 +218,24 @@ def place(
         slot_of_rank.append(slot_on_node[r.node])
         slot_on_node[r.node] += 1
 
-    def spawn(rank: int) -> Any:
+    def spawn(slot: int) -> Any:
+        # Named by slot, not rank: a trial may give the actor on a device another rank.
         return Worker.options(
-            name=f"{job}/rank-{rank}",
+            name=f"{job}/worker-{slot}",
             num_cpus=cpus_per_worker,
             num_gpus=1 if use_gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_of_rank[rank]),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_of_rank[slot]),
             # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
             # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
             # of its node itself, numbered in PCI bus order as NVML (and the topology) does.
             runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
                                       "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
             max_restarts=0,
-        ).remote(rank, len(ranks), slot_of_rank[rank], threads_per_worker)
+        ).remote(slot, len(ranks), slot_of_rank[slot], threads_per_worker)
 
     t_actors = time.monotonic()
-    placement = Placement(group=pg, actors=[spawn(r.rank) for r in ranks], spawn=spawn)
+    placement = Placement(group=pg, actors=[spawn(r.rank) for r in ranks], spawn=spawn,
+                          devices=[(r.node, r.gpu) for r in ranks], slots=list(range(len(ranks))))
     try:
         placement.reports = ray.get([a.report.remote() for a in placement.actors], timeout=timeout_s)
     except Exception:

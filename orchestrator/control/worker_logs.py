@@ -142,8 +142,9 @@ class WorkerLogs:
         except (TypeError, ValueError):
             return None  # "raylet", "autoscaler"
         ip = str(data.get("ip", ""))
-        if (ip, pid) not in self._ranks and pid not in {p for _, p in self._ranks}:
-            self._reload_placement()
+        # Looked at for every line (a stat, unless placement.json changed): a trial may give a
+        # known process another rank.
+        self._reload_placement()
         if (ip, pid) in self._ranks:
             return self._ranks[(ip, pid)]
         return next((r for (_, p), r in self._ranks.items() if p == pid), None)

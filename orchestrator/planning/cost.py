@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
+from .calibration import UNCALIBRATED, Calibration
 from .comm import (
     GLOO_LAUNCH_US,
     LAUNCH_S,
@@ -58,6 +59,9 @@ class JobContext:
     """`train.precision`, as `resolve` turns it into what runs on this kind of device."""
     max_steps: int = 0
     """Optimizer steps of the run (PowerSGD's plain-all-reduce warm-up is a share of them)."""
+    calibration: Calibration = UNCALIBRATED
+    """Measured / predicted factors from a trial on this cluster (`--calibration`); 1.0 each
+    prices from the tables and the probe alone."""
 
     @property
     def device(self) -> str:
@@ -334,9 +338,11 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
                     grad_accum_steps=accum, overlap=overlap,
                     accum_sync=AccumSync.per_micro_step if ex.reduce_every_micro_step else AccumSync.last_micro_step)
     mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0, held)
-    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s, comm_s=comm_s,
-                    exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule,
-                    bubble_s=bubble_s)
+    # A trial's measured factors scale whole term kinds; the terms' shapes stay the model's.
+    k_c, k_m = ctx.calibration.compute, ctx.calibration.communication
+    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s * k_c, comm_s=comm_s * k_m,
+                    exposed_comm_s=min(exposed, comm_s) * k_m, sync=sync,
+                    comm_parts={k: v * k_m for k, v in parts.items()}, schedule=schedule, bubble_s=bubble_s * k_c)
 
 
 # Compute slows while a collective runs beside it: NCCL's kernels take SMs and their traffic
@@ -400,4 +406,5 @@ def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Reco
     eff = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
     busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed, eff)
     m = max(1, ctx.global_batch // (mesh.dp * micro_batch))
-    return busy * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, m, 2 if mesh.pp > 1 else 1))
+    return busy * ctx.calibration.compute * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, m,
+                                                                 2 if mesh.pp > 1 else 1))

@@ -14,6 +14,7 @@ from ..choices import AccumSync, Choice, Compression, Precision, Recompute, Stra
 from ..config import JobConfig
 from ..errors import ModelTooLarge, PlanError
 from ..topology.model import ClusterTopology, Device
+from .calibration import UNCALIBRATED, Calibration
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compute import DeviceSpeed, device_speed, unlisted_note
 from .cost import Estimate, JobContext, estimate, ties_head
@@ -238,14 +239,16 @@ def model_shape(cfg: JobConfig, spec: ModelSpec | None = None) -> ModelShape:
     return ModelShape.from_config(cfg.model) if spec is None else ModelShape.from_spec(spec)
 
 
-def job_context(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None) -> JobContext:
+def job_context(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None,
+                calibration: Calibration = UNCALIBRATED) -> JobContext:
     """What every candidate plan of `cfg` on `topology` shares (model, device speed and memory,
     byte layout, network), as `plan_job` prices them; PlanError as `plan_job` raises it. With it
     and `cost.estimate`, any (strategy, mesh, layout) can be priced exactly as the planner does."""
-    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, model_shape(cfg, spec))
+    return _context(cfg, nvlink_view(plannable(topology)[0]).topology, model_shape(cfg, spec), calibration)
 
 
-def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobContext:
+def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape,
+             calibration: Calibration = UNCALIBRATED) -> JobContext:
     if topo.num_devices == 0:
         raise PlanError("the cluster has no devices to plan for (no GPU and no CPU slot)")
     kinds = {d.kind for n in topo.nodes for d in n.devices}
@@ -273,7 +276,7 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape) -> JobCon
         layout=byte_layout(cfg.train.precision, device), speed=speed, on_gpu=on_gpu,
         usable_bytes=usable_bytes(memory, on_gpu), net_gbps=net_gbps, net_lat_us=net_lat,
         gpus_per_node=topo.nodes[0].num_devices, powersgd_ratio=powersgd_ratio(shape),
-        precision=cfg.train.precision, max_steps=cfg.train.max_steps,
+        precision=cfg.train.precision, max_steps=cfg.train.max_steps, calibration=calibration,
     )
 
 
@@ -341,6 +344,8 @@ def _explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluste
         f"{e.exposed_comm_s * 1e3:.2f} ms exposed, total {e.total_s * 1e3:.2f} ms"
         + (" (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in e.comm_parts.items()) + ")" if e.comm_parts else ""),
     ]
+    if ctx.calibration.applied:
+        lines.append(ctx.calibration.describe())
     if cl.uniform:
         lines.append("layout: every pair of devices on a node is joined by equal links, so any layout is equal; "
                      "ranks follow device order")
@@ -461,7 +466,7 @@ def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: Cluste
 
 
 def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None, *,
-             left_out: tuple[LeftOut, ...] = ()) -> Plan:
+             left_out: tuple[LeftOut, ...] = (), calibration: Calibration = UNCALIBRATED) -> Plan:
     """Plan `cfg` on `topology`: the fastest plan that fits, or, when the config forces choices
     that cannot fit, the forced plan with fits=False and the reason. PlanError when nothing at
     all can be planned (no devices, an unknown GPU, a batch no mesh divides), when no plan at
@@ -471,13 +476,14 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
     Nodes `plannable` leaves out (GPU-less nodes of a GPU cluster) run no rank; `left_out`
     adds those a caller already set aside, so the plan names them all. `spec` is the measured
     model (`workloads.inspect.model_spec`); None plans the built-in GPT of `cfg.model` by its
-    formulas."""
+    formulas. `calibration` scales the cost model's terms by what a trial on this cluster
+    measured (`planning/calibration.py`)."""
     real, more = plannable(topology)
     left_out = tuple(left_out) + more
     view = nvlink_view(real)
     topology = view.topology
     shape = model_shape(cfg, spec)
-    ctx = _context(cfg, topology, shape)
+    ctx = _context(cfg, topology, shape, calibration)
     if spec is not None and not spec.pipeline_ends and cfg.parallel.pp not in ("auto", 1):
         raise PlanError(f"key 'parallel.pp': {spec.name} names no ends (embed, head) to cut a pipeline at, so only "
                         f"pp=1 can run; got {cfg.parallel.pp}")

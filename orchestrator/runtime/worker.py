@@ -11,6 +11,7 @@ import os
 import resource
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -164,6 +165,10 @@ class Worker:
         self.cpu_slot = cpu_slot
         torch.set_num_threads(max(1, threads))
         self.trainer = None
+        # Held while the process group is torn down: an abort from the control thread racing a
+        # `leave` on the main one leaves torch's group registry half cleared, and the next
+        # group's names then collide with stale ones.
+        self._group_lock = threading.Lock()
 
     @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
@@ -188,14 +193,18 @@ class Worker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
-              cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None) -> dict[str, Any]:
+              cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None,
+              rank: int | None = None) -> dict[str, Any]:
         """Join the process group, build the model under the plan, and load `resume_from` if given.
         `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology;
-        `nccl` what NCCL should be told about this node (`nccl_env`)."""
+        `nccl` what NCCL should be told about this node (`nccl_env`). `rank`: this process's rank
+        under `plan`, where it is not the one it was started as (a trial's other layouts)."""
         import torch
 
         from .trainer import Trainer, init_process_group
 
+        if rank is not None:
+            self.rank = rank
         notes = []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
@@ -261,6 +270,21 @@ class Worker:
         self.leave()
         raise RankLeft(failed)
 
+    def trial(self, steps: int) -> list[tuple[float, float | None]]:
+        """Run `steps` optimizer steps of the model `setup` built, from step 0, with no
+        evaluation, checkpoint or metrics, then leave the group: a trial measures a plan and
+        forgets it (each step is seeded by its number, so the run after it starts as if none had
+        run). Returns each step's (seconds, exposed communication seconds or None)."""
+        failed = None
+        try:
+            times = [(r.step_s, r.exposed_comm_s) for r in (self.trainer.train_step(s) for s in range(steps))]
+        except Exception as e:  # noqa: BLE001 - re-raised below, as text
+            failed = "".join(traceback.format_exception(e))
+        self.leave()  # outside the except block: see `train`
+        if failed is not None:
+            raise RankLeft(failed)
+        return times
+
     @ray.method(concurrency_group="control")
     def abort_collectives(self) -> None:
         """Abort this rank's communicators from the control thread, so a step blocked in a
@@ -268,11 +292,12 @@ class Worker:
         peer's or a leaving survivor's connection closes, which abort cannot hasten)."""
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            try:
-                dist.distributed_c10d._abort_process_group()
-            except Exception:  # already torn down by the failing step: nothing left to abort
-                pass
+        with self._group_lock:
+            if dist.is_initialized():
+                try:
+                    dist.distributed_c10d._abort_process_group()
+                except Exception:  # already torn down by the failing step: nothing left to abort
+                    pass
 
     def leave(self) -> None:
         """Drop the model and the process group and keep the process (its imports, its device
@@ -284,11 +309,24 @@ class Worker:
 
         self.trainer = None
         self.writer_group = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # an aborted group is gone already
-                pass
+        with self._group_lock:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # an aborted group is gone already
+                    pass
+            # A group registered after an abort cleared the registry (one still being created
+            # when it came) outlives both: the next group's names would collide with it.
+            world = dist.distributed_c10d._world
+            for pg in list(world.pg_names):
+                try:
+                    pg.shutdown()
+                except Exception:  # its peers are gone: nothing to shut down cleanly
+                    pass
+            world.pg_names.clear()
+            world.pg_map.clear()
+            world.pg_group_ranks.clear()
+            world.group_count = 0
         # Device meshes the model was sharded over are cached with their groups: forget them.
         from torch.distributed import device_mesh
 

@@ -1,0 +1,268 @@
+"""The trial: a few real steps of each candidate plan on the placed actors, the fastest kept.
+
+The actors placed for the planner's choice stay for the whole trial and the run after it:
+every candidate is a plan over the same devices, so each actor only takes the rank that plan
+gives its device (`Placement.adopt`), joins a new group, builds the model under the plan,
+runs `parallel.trial_steps` steps (after one untimed warm-up) and leaves. A candidate that
+fails (out of memory, a collective error, a hang) is dropped with one line saying why; a rank
+that died or stayed stuck is replaced in its own bundle. What each measured goes to plan.json's
+`trial` and, term by term against the prediction, to calibration.json (`plan --calibration`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..config import JobConfig
+from ..errors import RunFailed
+from ..planning.calibration import CALIBRATION_FILE, term_ratios
+from ..planning.trial import WARMUP_STEPS, Candidate
+from . import supervise
+from .placement import Placement, cpu_affinity, nccl_settings
+from .rundir import RunDir
+
+
+@dataclass
+class Measured:
+    """One candidate's trial."""
+
+    candidate: Candidate
+    step_s: float | None = None
+    """Median of its timed steps (the slowest rank's, step by step); None when it failed."""
+    exposed_comm_s: float | None = None
+    """Median exposed communication of its timed steps, where the ranks measured it."""
+    setup_s: float = 0.0
+    """Seconds to form its group and build its model."""
+    failed: str | None = None
+    """Why it was dropped, in one line."""
+
+    def row(self) -> dict[str, Any]:
+        p = self.candidate.plan
+        st = p.step_time
+        pl = p.execution.pipeline
+        measured_compute = (self.step_s - self.exposed_comm_s
+                            if self.step_s is not None and self.exposed_comm_s is not None else None)
+        return {"label": self.candidate.label, "why": self.candidate.why, "strategy": str(p.strategy),
+                "mesh": p.mesh.to_dict(), "sync": str(p.execution.sync_algorithm),
+                "micro_batch_size": p.micro_batch_size, "recompute": str(p.recompute),
+                "pipeline": {"schedule": str(pl.schedule), "microbatches": pl.microbatches} if pl else None,
+                "predicted_step_s": st.total_s, "predicted_compute_s": st.compute_s + st.bubble_s,
+                "predicted_communication_s": st.exposed_comm_s, "measured_step_s": self.step_s,
+                "measured_compute_s": measured_compute, "measured_communication_s": self.exposed_comm_s,
+                "setup_s": round(self.setup_s, 3), "failed": self.failed}
+
+
+def _summarise(per_rank: list[list[tuple[float, float | None]]]) -> tuple[float, float | None]:
+    """(median step seconds, median exposed communication) over the timed steps: each step as
+    long as its slowest rank, since no rank starts the next before every rank ends this one."""
+    timed = [steps[WARMUP_STEPS:] for steps in per_rank]
+    step = statistics.median(max(rank[i][0] for rank in timed) for i in range(len(timed[0])))
+    exposed = [c for rank in timed for _, c in rank if c is not None]
+    return step, (statistics.median(exposed) if exposed else None)
+
+
+def _one_line(err: BaseException) -> str:
+    """The last line of a rank's traceback: what it raised."""
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    return (lines[-1].strip() if lines else type(err).__name__)[:200]
+
+
+def _all(refs: list, timeout_s: float) -> list:
+    """Every rank's answer; once any fails, the first failure, but only after every rank has
+    answered or `timeout_s` passed: a rank still setting up must not be told to leave midway."""
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        ray.get(ref)  # raises the rank's own error
+    if pending:
+        raise GetTimeoutError(f"{len(pending)} rank(s) did not answer within {timeout_s:.0f} s")
+    return ray.get(refs)
+
+
+def _reset(placement: Placement, refs: list, timeout_s: float, respawn_timeout_s: float) -> None:
+    """After a failed candidate, every rank out of its group: those stuck or dead replaced in
+    their own bundles, the rest told to leave (a rank whose setup failed is still in one)."""
+    _, stuck = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+    for r, ref in enumerate(refs):
+        if ref in stuck:  # blocked in a collective: NCCL's wait ends only by abort
+            placement.actors[r].abort_collectives.remote()
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    dead = {r for r, ref in enumerate(refs) if ref not in ready}
+    for r, ref in enumerate(refs):
+        if ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                dead.add(r)
+            except RayTaskError:
+                pass
+    left = {placement.actors[r].leave.remote(): r for r in range(len(placement.actors)) if r not in dead}
+    ready, late = ray.wait(list(left), num_returns=len(left), timeout=timeout_s) if left else ([], [])
+    dead |= {left[ref] for ref in late}
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except (RayActorError, RayTaskError):
+            dead.add(left[ref])
+    placement.respawn(sorted(dead), respawn_timeout_s)
+
+
+def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_gpu: bool, model_fn) -> Measured:
+    plan = c.plan
+    placement.adopt(plan)
+    affinity, nccl = cpu_affinity(plan, topology), nccl_settings(plan, topology)
+    actors = placement.actors
+    steps = cfg.parallel.trial_steps + WARMUP_STEPS
+    e = cfg.elastic
+    # As long as a hang would be allowed for each step, at least the floor for the whole trial.
+    timeout = steps * supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s)
+    m = Measured(c)
+    t0 = time.monotonic()
+    refs: list = []
+    try:
+        master = ray.get(actors[0].rendezvous_address.remote())
+        refs = [a.setup.remote(cfg, plan, master, None, affinity[r] if use_gpu else None, nccl[r], model_fn, rank=r)
+                for r, a in enumerate(actors)]
+        _all(refs, cfg.cluster.placement_timeout_s)
+        m.setup_s = time.monotonic() - t0
+        refs = [a.trial.remote(steps) for a in actors]
+        m.step_s, m.exposed_comm_s = _summarise(_all(refs, timeout))
+    except (RayActorError, RayTaskError, GetTimeoutError) as err:
+        m.failed = (f"no step within {timeout:.0f} s" if isinstance(err, GetTimeoutError) else _one_line(err))
+        _reset(placement, refs, e.leave_timeout_s, cfg.cluster.placement_timeout_s)
+    return m
+
+
+def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topology, console: Console,
+              use_gpu: bool, model_fn, budget_s: float | None) -> list[Measured]:
+    """Measure every candidate in turn (the placement ends laid out for the last one tried).
+    Under `budget_s` (parallel.trial=auto) the trial stops before a candidate that would take
+    it past the budget, judged by what the candidates so far cost. RunFailed (exit 1) when
+    every candidate failed: the first one's line."""
+    out: list[Measured] = []
+    spent = 0.0
+    for i, c in enumerate(cands):
+        if budget_s is not None and out and spent + spent / len(out) > budget_s:
+            console.print(f"trial: stopped after {len(out)} of {len(cands)} plans, at its budget of {budget_s:.0f} s "
+                          f"(parallel.trial_budget)")
+            break
+        t = time.monotonic()
+        with console.status(f"trial {i + 1}/{len(cands)}: {c.label}: {c.plan.strategy} on {c.plan.mesh}"):
+            m = _measure(cfg, c, placement, topology, use_gpu, model_fn)
+        spent += time.monotonic() - t
+        if m.failed:
+            console.print(f"[yellow]trial:[/] dropped {escape(c.label)} ({c.plan.strategy} on {c.plan.mesh}): "
+                          f"{escape(m.failed)}")
+        out.append(m)
+    ok = [m for m in out if m.failed is None]
+    if not ok:
+        first = out[0]
+        raise RunFailed(f"every trial plan failed; the first, {first.candidate.plan.strategy} on "
+                        f"{first.candidate.plan.mesh}: {first.failed}")
+    return out
+
+
+def winner(measured: list[Measured]) -> Measured:
+    return min((m for m in measured if m.failed is None), key=lambda m: m.step_s)
+
+
+def record(measured: list[Measured], best: Measured, cost_s: float, budget_s: float | None,
+           steps: int) -> dict[str, Any]:
+    """plan.json's `trial` section."""
+    return {"candidates": [m.row() for m in measured], "winner": measured.index(best),
+            "overruled": best.candidate.label != "planned", "timed_steps": steps, "cost_s": round(cost_s, 3),
+            "budget_s": None if budget_s is None else round(budget_s, 3)}
+
+
+def skipped(why: str, cands: list[Candidate]) -> dict[str, Any]:
+    """plan.json's `trial` section when no trial ran."""
+    return {"skipped": why, "candidates": [Measured(c).row() for c in cands]}
+
+
+def overruled_line(best: Measured, planned: Measured) -> str:
+    """The explanation's line when the trial chose another plan than the model did."""
+    b, p = best.candidate.plan, planned.candidate.plan
+    was = (f"{p.strategy} on {p.mesh} measured {planned.step_s:.3f} s" if planned.step_s is not None
+           else f"{p.strategy} on {p.mesh} failed ({planned.failed})")
+    return (f"trial: the measured steps overruled the cost model: {b.strategy} on {b.mesh} "
+            f"({best.candidate.label}, {b.execution.sync_algorithm} sync) ran {best.step_s:.3f} s per step "
+            f"(predicted {b.step_time.total_s:.3f} s) where the model's choice, {was} (predicted "
+            f"{p.step_time.total_s:.3f} s)")
+
+
+def write_calibration(run: RunDir, measured: list[Measured]) -> dict[str, float]:
+    """calibration.json: measured / predicted per term kind, for `plan --calibration RUN`."""
+    rows = [m.row() for m in measured if m.failed is None]
+    ratios = term_ratios(rows)
+    run.write_json(CALIBRATION_FILE, {"ratios": ratios, "candidates": rows,
+                                      "note": "measured / predicted, the median over the trial's plans"})
+    return ratios
+
+
+def show(console: Console, measured: list[Measured], best: Measured) -> None:
+    table = Table(title="trial: measured on the cluster", title_justify="left")
+    for col in ("plan", "strategy", "mesh", "sync", "predicted s/step", "measured s/step", ""):
+        table.add_column(col)
+    for m in measured:
+        p = m.candidate.plan
+        table.add_row(m.candidate.label, str(p.strategy), str(p.mesh), str(p.execution.sync_algorithm),
+                      f"{p.step_time.total_s:.3f}", "failed" if m.failed else f"{m.step_s:.3f}",
+                      "kept" if m is best else "")
+    console.print(table)
+
+
+def conduct(cfg: JobConfig, view, topology, plan, placement: Placement, run: RunDir, console: Console, state,
+            use_gpu: bool, left_out: tuple = ()):
+    """The trial of one run, when `parallel.trial` asks for one and it is worth its cost:
+    returns the plan the run trains with (the placement laid out for it) and records the
+    trial in `state` and plan.json (a skipped trial says why)."""
+    from ..planning.trial import budget_s, candidates, trial_limit, worth_it
+
+    limit, why = trial_limit(cfg, len(view.nodes))
+    if not limit:
+        state.trial = {"skipped": why, "candidates": []}
+        _write_plan(run, plan, state.trial)
+        return plan
+    with console.status("choosing the plans to try"):
+        cands = candidates(cfg, view, plan, limit, state.spec, left_out)
+    why = worth_it(cfg, plan, cands)
+    if why:
+        state.trial = skipped(why, cands)
+        _write_plan(run, plan, state.trial)
+        console.print(f"trial: skipped: {escape(why)}")
+        return plan
+    budget = budget_s(cfg, plan) if cfg.parallel.trial == "auto" else None
+    console.print(f"trial: {len(cands)} plans, {cfg.parallel.trial_steps} timed steps each"
+                  + (f", within {budget:.0f} s" if budget is not None else ""))
+    t = time.monotonic()
+    measured = run_trial(cfg, cands, placement, topology, console, use_gpu, state.model_fn, budget)
+    cost = time.monotonic() - t
+    best = winner(measured)
+    show(console, measured, best)
+    ratios = write_calibration(run, measured)
+    chosen = best.candidate.plan
+    if best.candidate.label != "planned":
+        chosen = replace(chosen, explanation=tuple(chosen.explanation) + (overruled_line(best, measured[0]),))
+        console.print(f"[green]trial:[/] {escape(overruled_line(best, measured[0]))}")
+    placement.adopt(chosen)
+    state.trial = record(measured, best, cost, budget, cfg.parallel.trial_steps)
+    state.trial["calibration"] = ratios
+    state.trial_plan = chosen
+    if state.phases is not None:
+        state.phases.add("trial_s", cost)
+    _write_plan(run, chosen, state.trial)
+    console.print(f"trial took {cost:.1f} s; {CALIBRATION_FILE} has its measured/predicted ratios "
+                  f"(plan --calibration {run.path})", markup=False)
+    return chosen
+
+
+def _write_plan(run: RunDir, plan, trial: dict[str, Any] | None) -> None:
+    run.write_json("plan.json", {**plan.to_dict(), **({"trial": trial} if trial else {})})

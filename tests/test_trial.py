@@ -1,0 +1,135 @@
+"""The trial on a fake-GPU cluster (a GPU-less head, two nodes of two GPUs wired as the real
+PCIe capture's first two, a slow network): the candidates run on the actors placed for the
+planner's choice, re-ranked per plan; the fastest measured one trains, exactly as it would
+have without a trial; plan.json and calibration.json say what each measured; a candidate that
+cannot run is dropped with one line, and a trial where every candidate fails stops the run."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from rich.console import Console
+
+from orchestrator.config import load_config
+from orchestrator.control.driver import run_job
+from orchestrator.control.placement import place
+from orchestrator.control.rundir import RunDir
+from orchestrator.control.trial import run_trial
+from orchestrator.errors import RunFailed
+from orchestrator.planning import plan_job
+from orchestrator.planning.calibration import load
+from orchestrator.planning.cluster_view import plannable
+from orchestrator.planning.trial import Candidate
+from orchestrator.topology.cluster_probe import probe_cluster
+from orchestrator.topology.files import load_topology_file
+from orchestrator.topology.model import ClusterTopology
+
+ROOT = Path(__file__).resolve().parent.parent
+CAPTURE = ROOT / "tests" / "fixtures" / "topology" / "topo_4gpu_pcie_pxb_pix_nccl667.txt"
+TINY = [
+    "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "train.global_batch_size=8", "train.warmup_steps=1", "train.eval_iters=1", "train.eval_interval=6",
+    "train.max_steps=6", "cluster.gpu=A100", "cluster.cpus_per_worker=0.25", "parallel.tp=1",
+    # A slow network: what the equal-links plan ignores.
+    "cluster.inter_node_gbps=0.01", "checkpoint.enabled=false",
+    "monitor.progress=false", "monitor.dashboard=false",
+]
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    two = ClusterTopology(nodes=[load_topology_file(CAPTURE, "A100")]).limit(2).nodes[0]
+    capture = tmp_path_factory.mktemp("trial") / "two_gpus.json"
+    capture.write_text(json.dumps(two.to_dict()))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    try:
+        for _ in range(2):
+            c.add_node(num_cpus=2, num_gpus=2, env_vars={"ORCHESTRATOR_TOPOLOGY_FILE": str(capture)})
+        ray.init(address=c.address)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _run(runs: Path, overrides: list[str]) -> tuple[dict, Path]:
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, f"monitor.runs_dir={runs}", *overrides])
+    run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    return run_job(cfg, run, Console(file=open(os.devnull, "w"))), run.path
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_fastest_measured_plan_trains_as_it_would_without_a_trial(cluster, tmp_path):
+    summary, run = _run(tmp_path / "runs", ["parallel.trial=3", "monitor.log_interval=1"])
+    plan = json.loads((run / "plan.json").read_text())
+    trial = plan["trial"]
+    labels = [c["label"] for c in trial["candidates"]]
+    assert labels[:2] == ["planned", "equal links"] and len(labels) >= 2
+    assert all(c["failed"] is None and c["measured_step_s"] > 0 and c["predicted_step_s"] > 0
+               for c in trial["candidates"])
+    best = trial["candidates"][trial["winner"]]
+    assert best["measured_step_s"] == min(c["measured_step_s"] for c in trial["candidates"])
+    # What trains is the plan the trial kept, laid out as that plan says.
+    assert (plan["strategy"], plan["mesh"], plan["sync"]["algorithm"]) == (best["strategy"], best["mesh"],
+                                                                            best["sync"])
+    assert trial["overruled"] == (best["label"] != "planned")
+    assert any(line.startswith("trial: the measured steps overruled") for line in plan["explanation"]) \
+        == trial["overruled"]
+    placed = json.loads((run / "placement.json").read_text())
+    assert [p["node_id"] for p in placed] == [r["node"] for r in plan["ranks"]]
+    assert [p["rank"] for p in placed] == list(range(len(placed)))
+    assert summary["startup"]["trial_s"] > 0
+    # The trial's steps leave no trace: the same plan without a trial trains the same losses.
+    pin = [f"parallel.strategy={best['strategy']}", f"parallel.dp_shard={best['mesh']['dp_shard']}",
+           f"parallel.pp={best['mesh']['pp']}", f"parallel.sync={best['sync']}",
+           f"train.micro_batch_size={best['micro_batch_size']}", f"parallel.recompute={best['recompute']}"]
+    _, again = _run(tmp_path / "again", ["parallel.trial=off", "monitor.log_interval=1", *pin])
+    assert json.loads((again / "plan.json").read_text())["trial"]["skipped"] == "parallel.trial=off"
+    assert _losses(run) == _losses(again)
+    # What it measured prices the next plan.
+    cal = load(str(run))
+    ratios = json.loads((run / "calibration.json").read_text())["ratios"]
+    assert ratios and all(getattr(cal, term) == value for term, value in ratios.items())
+    assert cal.communication != 1.0  # DDP's buckets measure their exposed communication
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", TINY)
+    topo = ClusterTopology.from_json((run / "topology.json").read_text())
+    base, calibrated = plan_job(cfg, topo), plan_job(cfg, topo, calibration=cal)
+    assert calibrated.step_time.compute_s == pytest.approx(base.step_time.compute_s * cal.compute, rel=1e-6) \
+        or calibrated.strategy != base.strategy or calibrated.mesh != base.mesh
+    assert any("measured calibration" in line for line in calibrated.explanation)
+
+
+def test_a_candidate_that_cannot_run_is_dropped_and_all_failing_stops_the_run(cluster, tmp_path):
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, "parallel.strategy=ddp"])
+    topology = probe_cluster(num_cpu_slots=2)
+    view, _ = plannable(topology)
+    plan = plan_job(cfg, view)
+    # A plan whose micro-batches do not cover the global batch: every rank refuses it at set-up.
+    broken = replace(plan, micro_batch_size=plan.micro_batch_size + 1)
+    placement = place(plan, job="trial-test", use_gpu=True, cpus_per_worker=0.25, threads_per_worker=1,
+                      timeout_s=60)
+    console = Console(record=True, width=200)
+    try:
+        out = run_trial(cfg, [Candidate("planned", broken, "broken"), Candidate("runner-up", plan, "fine")],
+                        placement, topology, console, True, None, None)
+        assert out[0].failed.startswith("RuntimeError: plan does not cover the global batch")
+        assert out[1].failed is None and out[1].step_s > 0
+        text = console.export_text()
+        assert "dropped planned (ddp on" in text and "plan does not cover the global batch" in text
+        with pytest.raises(RunFailed, match="every trial plan failed; the first, ddp on .*: RuntimeError: plan does"):
+            run_trial(cfg, [Candidate("planned", broken, "broken")] * 2, placement, topology, console, True, None,
+                      None)
+    finally:
+        placement.release()
