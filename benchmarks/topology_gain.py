@@ -88,7 +88,8 @@ def _submit(cluster, env: dict[str, str], runs: Path, overrides: list[str]) -> d
     plan = json.loads((run / "plan.json").read_text())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step_s"] for r in rows if r.get("step_s") is not None][WARMUP_STEPS:]
-    return {"run_dir": str(run), **plan_summary(plan), "steps": steps}
+    # Read now: the run directory goes with the benchmark's temporary folder.
+    return {"run_dir": str(run), **plan_summary(plan), "steps": steps, "trial_choice": _trial_choice(plan)}
 
 
 def plan_summary(plan: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +190,7 @@ def measure_rate(args, gbit: float, argv: list[str] | None) -> dict[str, Any]:
                             run_medians=[statistics.median(run["steps"]) for run in runs[name]],
                             planned_step_s=first["predicted_step_s"],
                             priced_on_measured=price_on(probe, common, first))
-    result["trial"]["choices"] = [_trial_choice(run) for run in runs["trial"]]
+    result["trial"]["choices"] = [run["trial_choice"] for run in runs["trial"]]
     a, b, t = (result[k]["measured_step_s"] for k in ("aware", "blind", "trial"))
     pa = result["aware"]["planned_step_s"]
     pb = result["blind"]["priced_on_measured"]["step_s"]
@@ -230,11 +231,11 @@ def measure_rate(args, gbit: float, argv: list[str] | None) -> dict[str, Any]:
     return {**summary, "aware": result["aware"], "blind": result["blind"], "trial": result["trial"]}
 
 
-def _trial_choice(run: dict[str, Any]) -> dict[str, Any]:
-    """What a trial run's plan.json says its trial measured and kept."""
-    trial = json.loads((Path(run["run_dir"]) / "plan.json").read_text()).get("trial") or {}
-    if "skipped" in trial:
-        return {"skipped": trial["skipped"]}
+def _trial_choice(plan: dict[str, Any]) -> dict[str, Any]:
+    """What a run's plan.json says its trial measured and kept."""
+    trial = plan.get("trial") or {}
+    if "skipped" in trial or not trial:
+        return {"skipped": trial.get("skipped", "no trial")}
     kept = trial["candidates"][trial["winner"]]
     return {"kept": kept["label"], "overruled": trial["overruled"], "cost_s": trial["cost_s"],
             "candidates": [{k: c[k] for k in ("label", "strategy", "mesh", "sync", "predicted_step_s",
