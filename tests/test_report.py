@@ -82,6 +82,16 @@ def _summary(plan, run: Path) -> dict:
     }
 
 
+def _trial(plan) -> dict:
+    """plan.json's `trial` as a run writes it: the equal-links plan measured faster and kept."""
+    row = {"strategy": str(plan.strategy), "mesh": plan.mesh.to_dict(), "sync": "hierarchical",
+           "predicted_step_s": 0.1, "failed": None}
+    return {"candidates": [{**row, "label": "planned", "measured_step_s": 0.3},
+                           {**row, "label": "equal links", "sync": "flat", "measured_step_s": 0.2},
+                           {**row, "label": "runner-up", "measured_step_s": None, "failed": "RuntimeError: <oom>"}],
+            "winner": 1, "overruled": True, "timed_steps": 3, "cost_s": 4.2, "budget_s": None}
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -92,7 +102,7 @@ def _complete(tmp_path: Path, planned) -> Path:
     run.mkdir()
     (run / "config.yaml").write_text(to_yaml(cfg))
     (run / "topology.json").write_text(topology.to_json())
-    (run / "plan.json").write_text(json.dumps(plan.to_dict()))
+    (run / "plan.json").write_text(json.dumps({**plan.to_dict(), "trial": _trial(plan)}))
     _write_jsonl(run / "metrics.jsonl", _metrics())
     _write_jsonl(run / RANK_TIMES, _rank_times())
     (run / "summary.json").write_text(json.dumps(_summary(plan, run)))
@@ -126,6 +136,9 @@ def test_a_complete_run_has_every_section_each_picture_and_its_straggler_marked(
     for line in plan.explanation:  # the plan's why, escaped
         assert line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") in sections["plan"]
     assert "dp_replicate" in sections["plan"] and "Runners-up" in sections["plan"]
+    assert "The measured steps overruled the cost model. 3 plans, 3 timed steps each, in 4.2 s." in sections["plan"]
+    assert re.search(r"<td>equal links</td>(<td>[^<]*</td>){4}<td>200.0 ms</td><td>kept</td>", sections["plan"])
+    assert "failed: RuntimeError: &lt;oom&gt;" in sections["plan"]
     # The straggler is marked in the picture and listed under it.
     assert re.search(rf'<g class="r-rank r-slow" data-straggler="true" data-rank="{SLOW_RANK}">', sections["ranks"])
     assert sections["ranks"].count('data-straggler="true"') == 1
@@ -177,6 +190,11 @@ def test_an_older_run_directory_renders_and_says_what_it_lacks(tmp_path, planned
     assert _said(sections["ranks"]) == ["No per-rank timings: rank_times.jsonl is absent (runs before this "
                                         "version do not write it)."]
     assert "has no `measured`" in _said(sections["predicted"])[0]
+    plan = json.loads((run / "plan.json").read_text())
+    del plan["trial"]
+    (run / "plan.json").write_text(json.dumps(plan))
+    assert _said(_sections(build_report(run))["plan"]) == [
+        "plan.json records no trial (a plan from before trials were recorded)."]
     for name in ("topology", "layout", "loss"):
         assert "<svg" in sections[name] and not _said(sections[name]), name
 

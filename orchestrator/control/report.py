@@ -303,6 +303,7 @@ def section_plan(inp: Inputs) -> str:
     out.append("<h3>Predicted step time</h3>" + table(["part", "time"], [[k.removesuffix("_s"), fmt_s(v)]
                                                                             for k, v in st.items()]))
     out.append("<h3>Runners-up</h3>" + alternatives(d.get("alternatives")))
+    out.append("<h3>Trial</h3>" + trial_text(d.get("trial")))
     if inp.plan is not None:
         text = plan_text(inp.plan, inp.topology)
         out.append("<details><summary>The plan as <code>plan</code> prints it</summary>"
@@ -320,6 +321,25 @@ def alternatives(alts: Any) -> str:
              "yes" if a.get("fits") else "no", str(a.get("reason", ""))] for a in alts if isinstance(a, dict)]
     return table(["strategy", "mesh", "micro-batch", "recompute", "step time", "memory per rank", "fits", "why not"],
                  rows)
+
+
+def trial_text(trial: Any) -> str:
+    """What the run's trial measured (plan.json's `trial`), or why there was none."""
+    if not isinstance(trial, dict):
+        return missing("plan.json records no trial (a plan from before trials were recorded).")
+    if trial.get("skipped"):
+        return f"<p>No trial: {esc(str(trial['skipped']))}.</p>"
+    cands = [c for c in trial.get("candidates") or [] if isinstance(c, dict)]
+    won = trial.get("winner")
+    rows = [[str(c.get("label", "?")), str(c.get("strategy", "?")), mesh_text(c.get("mesh")), str(c.get("sync", "?")),
+             fmt_s(c.get("predicted_step_s")), "failed: " + str(c["failed"]) if c.get("failed")
+             else fmt_s(c.get("measured_step_s")), "kept" if i == won else ""] for i, c in enumerate(cands)]
+    verdict = ("The measured steps overruled the cost model." if trial.get("overruled")
+               else "The measured steps confirmed the cost model's choice.")
+    cost = num(trial.get("cost_s"))
+    return (f"<p>{verdict} {len(cands)} plans, {esc(str(trial.get('timed_steps', '?')))} timed steps each, in "
+            f"{'?' if cost is None else f'{cost:.1f}'} s.</p>"
+            + table(["plan", "strategy", "mesh", "sync", "predicted step", "measured step", ""], rows))
 
 
 def section_topology(inp: Inputs) -> str:
