@@ -156,6 +156,10 @@ class ParallelConfig:
     trial_budget: float = 0.05
     """The share of the run's predicted time a `parallel.trial=auto` trial may take; a run too
     short for it skips the trial."""
+    calibration: Optional[str] = None
+    """A run directory (or its calibration.json) whose trial measured this cluster: every plan
+    is priced with its measured / predicted ratios (`plan --calibration` sets it too); None
+    prices from the tables and the probe alone."""
 
 
 @dataclass

@@ -95,8 +95,12 @@ def test_the_fastest_measured_plan_trains_as_it_would_without_a_trial(cluster, t
     pin = [f"parallel.strategy={best['strategy']}", f"parallel.dp_shard={best['mesh']['dp_shard']}",
            f"parallel.pp={best['mesh']['pp']}", f"parallel.sync={best['sync']}",
            f"train.micro_batch_size={best['micro_batch_size']}", f"parallel.recompute={best['recompute']}"]
-    _, again = _run(tmp_path / "again", ["parallel.trial=off", "monitor.log_interval=1", *pin])
-    assert json.loads((again / "plan.json").read_text())["trial"]["skipped"] == "parallel.trial=off"
+    # ... priced with what the trial measured (parallel.calibration), which changes no choice pinned.
+    _, again = _run(tmp_path / "again", ["parallel.trial=off", "monitor.log_interval=1", *pin,
+                                         f"parallel.calibration={run}"])
+    again_plan = json.loads((again / "plan.json").read_text())
+    assert again_plan["trial"]["skipped"] == "parallel.trial=off"
+    assert any(line.startswith(f"priced with the measured calibration of {run}") for line in again_plan["explanation"])
     assert _losses(run) == _losses(again)
     # What it measured prices the next plan.
     cal = load(str(run))

@@ -166,4 +166,9 @@ def test_a_bad_calibration_is_one_line_exit_2(tmp_path, capsys, content, message
     assert main(["plan", "--topology", "tests/fixtures/topology/topo_4gpu_pcie_pxb_pix_nccl667.txt", "--gpu", "A100",
                  "--calibration", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--calibration" in err[0]
+    assert len(err) == 1 and "key 'parallel.calibration'" in err[0]
+    # submit refuses it before any cluster or run directory exists.
+    runs = tmp_path / "runs"
+    assert main(["submit", "jobs/llm.yaml", f"parallel.calibration={tmp_path}", f"monitor.runs_dir={runs}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "key 'parallel.calibration'" in err[0] and not runs.exists()

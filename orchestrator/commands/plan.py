@@ -73,7 +73,7 @@ def live_topology(cfg: JobConfig) -> ClusterTopology:
 
 def run(args: argparse.Namespace) -> int:
     from ..planning import plan_job
-    from ..planning.calibration import Calibration
+    from ..planning.calibration import UNCALIBRATED
     from ..planning.calibration import load as load_calibration
     from ..planning.render import render_svg, render_text
     from ..workloads.source import is_builtin_gpt
@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         overrides.insert(0, args.job)  # `plan key=value` with no job file
         args.job = None
     cfg = load_config(args.job, overrides)
-    calibration = load_calibration(args.calibration) if args.calibration else Calibration()
+    if args.calibration:
+        cfg.parallel.calibration = args.calibration
+    calibration = load_calibration(cfg.parallel.calibration) if cfg.parallel.calibration else UNCALIBRATED
     if args.gpu:
         cfg.cluster.gpu = args.gpu
     if args.nodes is not None and args.nodes < 1:

@@ -132,6 +132,10 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
 
         require_safetensors()  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
+    if cfg.parallel.calibration:
+        from ..planning.calibration import load as load_calibration
+
+        load_calibration(cfg.parallel.calibration)  # a bad one is refused before anything starts
     # A model that breaks the contract fails here, in one line, before any cluster or run directory.
     spec = measure_model(cfg, model_fn)
     # The user's model module travels with the job (a Jobs API entrypoint's own env carries it already).

@@ -22,6 +22,8 @@ from rich.markup import escape
 from ..config import JobConfig, to_yaml
 from ..errors import PlanError, RunFailed
 from ..planning import Plan, plan_job
+from ..planning.calibration import UNCALIBRATED
+from ..planning.calibration import load as load_calibration
 from ..planning.cluster_view import plannable
 from ..planning.mesh import Mesh
 from ..planning.model_spec import ModelSpec
@@ -57,8 +59,9 @@ def run_job(
     the model instead of `model.factory` (the Python API); `spec` is its measurement
     (`measure_model`), made here when not given."""
     t_start = time.monotonic()
+    calibration = load_calibration(cfg.parallel.calibration) if cfg.parallel.calibration else UNCALIBRATED
     state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn),
-                     phases=Phases(time.time()))
+                     phases=Phases(time.time()), calibration=calibration)
     run.write_text("config.yaml", to_yaml(cfg))
     record_restarts(cfg.name, 0)  # a healthy run's dashboard reads 0, not "no data"
     announce(console, dashboard_url)
@@ -213,16 +216,17 @@ def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, 
     plan = None
     if kept is not None and view.num_devices == kept.world_size:
         try:
-            plan, _, note = plan_keeping_batch(pinned(cfg, kept), view, spec, left_out)
+            plan, _, note = plan_keeping_batch(pinned(cfg, kept), view, spec, left_out, state.calibration)
             note = f"trial: the run keeps the plan its trial measured fastest ({kept.strategy} on {kept.mesh})"
         except PlanError:
             plan = None  # the same size, another world: planned afresh below
     try:
         if plan is None:
-            plan, _, note = plan_keeping_batch(cfg, view, spec, left_out)
+            plan, _, note = plan_keeping_batch(cfg, view, spec, left_out, state.calibration)
     except PlanError:
         try:
-            run.write_json("plan.json", plan_job(cfg, view, spec, left_out=left_out).to_dict())
+            run.write_json("plan.json", plan_job(cfg, view, spec, left_out=left_out,
+                                                 calibration=state.calibration).to_dict())
         except PlanError:
             pass
         raise

@@ -16,6 +16,7 @@ from dataclasses import replace
 from ..config import JobConfig
 from ..errors import ModelTooLarge, PlanError
 from ..planning import Plan, plan_job
+from ..planning.calibration import UNCALIBRATED, Calibration
 from ..planning.cluster_view import LeftOut
 from ..planning.model_spec import ModelSpec
 from ..topology.model import ClusterTopology, NodeTopology
@@ -47,7 +48,8 @@ def uniform_subworlds(topology: ClusterTopology) -> list[ClusterTopology]:
 
 
 def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None = None,
-                       left_out: tuple[LeftOut, ...] = ()) -> tuple[Plan, ClusterTopology, str | None]:
+                       left_out: tuple[LeftOut, ...] = (),
+                       calibration: Calibration = UNCALIBRATED) -> tuple[Plan, ClusterTopology, str | None]:
     """The plan for `topology` (the plannable nodes, already cut to elastic.max_workers) that
     keeps the global batch:
     the planner's own choice when the whole world admits one, otherwise the plan for the
@@ -55,7 +57,7 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
     elastic.min_workers, PlanError in one line."""
     min_w, gb = cfg.elastic.min_workers, cfg.train.global_batch_size
     try:
-        plan = plan_job(cfg, topology, spec, left_out=left_out)
+        plan = plan_job(cfg, topology, spec, left_out=left_out, calibration=calibration)
         if plan.fits:
             return plan, topology, None
         first = PlanError(f"the plan does not fit: {plan.reason}")
@@ -70,7 +72,7 @@ def plan_keeping_batch(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpe
         if sub.num_devices < min_w:
             break
         try:
-            plan = plan_job(cfg, sub, spec, left_out=left_out)
+            plan = plan_job(cfg, sub, spec, left_out=left_out, calibration=calibration)
         except PlanError as e:
             others.add(str(e))
             continue

@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from ..config import JobConfig
 from ..planning import Plan
+from ..planning.calibration import UNCALIBRATED, Calibration
 from ..planning.model_spec import ModelSpec
 from . import supervise
 from .failures import Regrow, WorkerFailure, raise_failure, raise_hang
@@ -57,6 +58,8 @@ class RunState:
     """plan.json's `trial` section, once the run's trial ran or was skipped (once per run)."""
     trial_plan: Plan | None = None
     """The plan the trial kept; a restart on the same world size trains it again."""
+    calibration: Calibration = UNCALIBRATED
+    """What every plan of the run is priced with (`parallel.calibration`)."""
 
     @property
     def last_step(self) -> int:

@@ -122,8 +122,9 @@ def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_g
     actors = placement.actors
     steps = cfg.parallel.trial_steps + WARMUP_STEPS
     e = cfg.elastic
-    # As long as a hang would be allowed for each step, at least the floor for the whole trial.
-    timeout = steps * supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s)
+    # The run's hang rule, applied to the candidate's steps together (no evaluation or checkpoint
+    # among them for the floor to cover).
+    timeout = supervise.hang_timeout_s(steps * plan.step_time.total_s, e.hang_factor, e.hang_floor_s)
     m = Measured(c)
     t0 = time.monotonic()
     refs: list = []
@@ -232,7 +233,7 @@ def conduct(cfg: JobConfig, view, topology, plan, placement: Placement, run: Run
         _write_plan(run, plan, state.trial)
         return plan
     with console.status("choosing the plans to try"):
-        cands = candidates(cfg, view, plan, limit, state.spec, left_out)
+        cands = candidates(cfg, view, plan, limit, state.spec, left_out, state.calibration)
     why = worth_it(cfg, plan, cands)
     if why:
         state.trial = skipped(why, cands)

@@ -3,9 +3,9 @@
 A trial (`parallel.trial`) runs a few steps of several plans and records, for each, how its
 measured compute and exposed communication compare with the planner's figures. The ratios
 (measured / predicted, the median over the candidates that measured the term) are written to
-the run directory's calibration.json; `plan --calibration RUN` (and `submit`) read them back, so
-the next plan on the same cluster prices its candidates from what the cluster really did
-instead of from the tables and the probe alone.
+the run directory's calibration.json; `parallel.calibration=RUN` (or `plan --calibration RUN`)
+reads them back, so the next plan on the same cluster prices its candidates from what the
+cluster really did instead of from the tables and the probe alone.
 """
 
 from __future__ import annotations
@@ -77,20 +77,21 @@ def load(run_dir: str) -> Calibration:
     path = Path(run_dir)
     if path.is_dir():
         path = path / CALIBRATION_FILE
+    key = "key 'parallel.calibration'"
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"--calibration: no {CALIBRATION_FILE} at {path}; a run writes one when its trial "
+        raise ConfigError(f"{key}: no {CALIBRATION_FILE} at {path}; a run writes one when its trial "
                           f"(parallel.trial) measured at least one plan") from None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--calibration: {path} is not readable JSON ({e})") from None
+        raise ConfigError(f"{key}: {path} is not readable JSON ({e})") from None
     ratios = data.get("ratios") if isinstance(data, dict) else None
     if not isinstance(ratios, dict) or not ratios:
-        raise ConfigError(f"--calibration: {path} holds no 'ratios' (expected {', '.join(TERMS)})")
+        raise ConfigError(f"{key}: {path} holds no 'ratios' (expected {', '.join(TERMS)})")
     unknown = sorted(set(ratios) - set(TERMS))
     if unknown:
-        raise ConfigError(f"--calibration: {path} names unknown term(s) {unknown}; allowed: {', '.join(TERMS)}")
+        raise ConfigError(f"{key}: {path} names unknown term(s) {unknown}; allowed: {', '.join(TERMS)}")
     try:
         return Calibration(**{t: float(ratios[t]) for t in TERMS if t in ratios}, source=str(path.parent))
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"--calibration: {path}: {e}") from None
+        raise ConfigError(f"{key}: {path}: {e}") from None
