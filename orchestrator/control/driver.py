@@ -232,7 +232,7 @@ def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, 
         raise
     if note:
         plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
-    run.write_json("plan.json", {**plan.to_dict(), **({"trial": state.trial} if state.trial else {})})
+    run.write_json("plan.json", trial.plan_record(plan, state.trial))
     for x in plan.left_out:
         console.print(f"left out: {escape(str(x))}")
     if note:

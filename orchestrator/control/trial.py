@@ -229,15 +229,15 @@ def conduct(cfg: JobConfig, view, topology, plan, placement: Placement, run: Run
 
     limit, why = trial_limit(cfg, len(view.nodes))
     if not limit:
-        state.trial = {"skipped": why, "candidates": []}
-        _write_plan(run, plan, state.trial)
+        state.trial = skipped(why, [])
+        run.write_json("plan.json", plan_record(plan, state.trial))
         return plan
     with console.status("choosing the plans to try"):
         cands = candidates(cfg, view, plan, limit, state.spec, left_out, state.calibration)
     why = worth_it(cfg, plan, cands)
     if why:
         state.trial = skipped(why, cands)
-        _write_plan(run, plan, state.trial)
+        run.write_json("plan.json", plan_record(plan, state.trial))
         console.print(f"trial: skipped: {escape(why)}")
         return plan
     budget = budget_s(cfg, plan) if cfg.parallel.trial == "auto" else None
@@ -251,19 +251,21 @@ def conduct(cfg: JobConfig, view, topology, plan, placement: Placement, run: Run
     ratios = write_calibration(run, measured)
     chosen = best.candidate.plan
     if best.candidate.label != "planned":
-        chosen = replace(chosen, explanation=tuple(chosen.explanation) + (overruled_line(best, measured[0]),))
-        console.print(f"[green]trial:[/] {escape(overruled_line(best, measured[0]))}")
+        line = overruled_line(best, measured[0])
+        chosen = replace(chosen, explanation=tuple(chosen.explanation) + (line,))
+        console.print(f"[green]trial:[/] {escape(line)}")
     placement.adopt(chosen)
     state.trial = record(measured, best, cost, budget, cfg.parallel.trial_steps)
     state.trial["calibration"] = ratios
     state.trial_plan = chosen
     if state.phases is not None:
         state.phases.add("trial_s", cost)
-    _write_plan(run, chosen, state.trial)
+    run.write_json("plan.json", plan_record(chosen, state.trial))
     console.print(f"trial took {cost:.1f} s; {CALIBRATION_FILE} has its measured/predicted ratios "
                   f"(plan --calibration {run.path})", markup=False)
     return chosen
 
 
-def _write_plan(run: RunDir, plan, trial: dict[str, Any] | None) -> None:
-    run.write_json("plan.json", {**plan.to_dict(), **({"trial": trial} if trial else {})})
+def plan_record(plan, trial: dict[str, Any] | None) -> dict[str, Any]:
+    """plan.json: the plan, and its run's `trial` section once there is one."""
+    return {**plan.to_dict(), **({"trial": trial} if trial else {})}

@@ -315,18 +315,6 @@ class Worker:
                     dist.destroy_process_group()
                 except Exception:  # an aborted group is gone already
                     pass
-            # A group registered after an abort cleared the registry (one still being created
-            # when it came) outlives both: the next group's names would collide with it.
-            world = dist.distributed_c10d._world
-            for pg in list(world.pg_names):
-                try:
-                    pg.shutdown()
-                except Exception:  # its peers are gone: nothing to shut down cleanly
-                    pass
-            world.pg_names.clear()
-            world.pg_map.clear()
-            world.pg_group_ranks.clear()
-            world.group_count = 0
         # Device meshes the model was sharded over are cached with their groups: forget them.
         from torch.distributed import device_mesh
 
