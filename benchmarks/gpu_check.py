@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--quick] [--only PART ...] [--device cuda|cpu] [--out DIR]
 
-Five parts, each written to its own DIR/gpu_check_PART.json (DIR is benchmarks/results/gpu/
+Six parts, each written to its own DIR/gpu_check_PART.json (DIR is benchmarks/results/gpu/
 unless `--out` names another directory):
 
 * doctor: `python -m orchestrator doctor --out DIR/doctor.json`; its exit code, the tails of
@@ -19,10 +19,14 @@ unless `--out` names another directory):
 * dcp: a ~100M-parameter GPT with AdamW state under FSDP2, saved by `runtime.checkpoint.save`
   and loaded into a fresh Trainer by `Trainer.load_checkpoint`; whether every tensor came back
   equal, the seconds and the bytes.
+* compile: the built-in GPT at 12/768, 1,024 tokens, DDP on one rank, eager and then with its
+  blocks compiled as the runtime compiles them: the steady steps of each, their ratio, the first
+  compiled step's time over the steady one (the compile), against the planner's
+  `COMPILE_SPEEDUP['gpu']` and `COMPILE_S['gpu']`.
 
 The in-process parts share one process group of one rank (nccl). Each part records its own
 failure as `error` (one line) and the others still run; the exit code is 1 when any part
-failed. Planned to finish in under 8 minutes on one H200; `--quick` halves the Llama and runs
+failed. Planned to finish in under 10 minutes on one H200; `--quick` halves the Llama and runs
 fewer steps. `--device cpu` is the smoke mode the tests run: every part on CPU with gloo, fp32,
 tiny models and a few steps, the measured memory then being torch's MemTracker peak, and
 `doctor` recorded as whatever the CLI returned.
@@ -63,7 +67,7 @@ from _common import (
 
 OUT = RESULTS / "gpu"
 JOB = "jobs/llm.yaml"
-PARTS = ("doctor", "default_job", "memory_model", "step_time", "dcp")
+PARTS = ("doctor", "default_job", "memory_model", "step_time", "dcp", "compile")
 # What a part's JSON holds, beside part, device and seconds, when the part did not fail.
 FIGURES: dict[str, tuple[str, ...]] = {
     "doctor": ("cli_command", "returncode", "stderr_tail"),
@@ -71,6 +75,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "memory_model": ("model", "params", "cases", "max_rel_error"),
     "step_time": ("steps", "cases", "mean_abs_rel_error"),
     "dcp": ("params", "bytes", "save_s", "load_s", "tensors", "equal"),
+    "compile": ("eager_step_s", "compiled_step_s", "speedup", "compile_s", "predicted_speedup", "predicted_compile_s"),
 }
 STRATEGIES = ("ddp", "zero3")
 RECOMPUTE = ("none", "selective", "full")
@@ -99,6 +104,8 @@ def sizes(device: str, quick: bool) -> dict[str, Any]:
             "step_block": 1024, "step_batch": 32, "step_steps": 12 if quick else 30,
             # 14 x 768 wide: 100M parameters (29M with --quick).
             "dcp_model": gpt(4 if quick else 14, 768, 12), "dcp_block": 1024, "dcp_batch": 8,
+            "compile_model": gpt(12, 768, 12), "compile_block": 1024, "compile_batch": 16,
+            "compile_steps": 10 if quick else 20,
         }
     return {
         "job_steps": 5 if quick else 10, "job_extra": ["train.eval_iters=1"], "doctor_timeout_s": 120,
@@ -107,6 +114,7 @@ def sizes(device: str, quick: bool) -> dict[str, Any]:
         "step_models": {"gpt 1/64": gpt(1, 64, 4), "gpt 2/64": gpt(2, 64, 4), "gpt 2/128": gpt(2, 128, 4)},
         "step_block": 64, "step_batch": 8, "step_steps": 5 if quick else 12,
         "dcp_model": gpt(2, 128, 4), "dcp_block": 64, "dcp_batch": 4,
+        "compile_model": gpt(1, 32, 4), "compile_block": 32, "compile_batch": 4, "compile_steps": 3,
     }
 
 
@@ -286,6 +294,8 @@ def read_run(run_dir: Path, launched: float) -> dict[str, Any]:
         "mfu_from_metrics": steady_mean(metric_mfu) if metric_mfu else None,
         "flops_per_step": model["flops_per_step"], "peak_tflops_per_rank": model["peak_tflops_per_rank"],
         "backend": placement[0].get("backend") if placement else summary.get("backend"),
+        # What the worker's own loop (metrics, the driver's sink) adds per step: the orchestration tax.
+        "orchestration_overhead_s_per_step": summary.get("measured", {}).get("orchestration_overhead_s_per_step"),
         "gpus": [p.get("gpu") for p in placement],
         "plan": {k: plan[k] for k in ("strategy", "mesh", "micro_batch_size", "recompute", "world_size")},
         "params": model["params"], "final_val_loss": summary.get("final_val_loss"),
@@ -650,8 +660,42 @@ def dcp(check: Check) -> dict[str, Any]:
 
 # --- the check --------------------------------------------------------------------------------
 
+def compile_part(check: Check) -> dict[str, Any]:
+    """Eager against per-block compiled steps of one GPT, and what the first compiled step cost."""
+    from dataclasses import replace
+
+    from orchestrator.planning.compile import COMPILE_S, COMPILE_SPEEDUP, CompilePlan
+
+    s = check.size
+    steps = s["compile_steps"]
+    overrides = [*s["compile_model"], f"model.block_size={s['compile_block']}",
+                 f"train.global_batch_size={s['compile_batch']}", f"train.max_steps={steps}", "train.warmup_steps=1",
+                 f"train.precision={check.precision}", "parallel.strategy=ddp", "parallel.tp=1", "parallel.pp=1",
+                 "checkpoint.enabled=false", "train.compile=false"]
+    cfg, plan = plan_for(check, overrides)
+    check.log(f"compile: eager, {steps} steps")
+    eager = _measure_steps(check, cfg, plan, steps)
+    _free(check)
+    check.log(f"compile: compiled, {steps} steps")
+    compiled_plan = replace(plan, compile=CompilePlan(True, "true", COMPILE_S[plan.execution.device], 0.0, steps,
+                                                      "compiled for the check"))
+    compiled = _measure_steps(check, cfg, compiled_plan, steps)
+    device = plan.execution.device
+    e, c = eager["measured_step_s"], compiled["measured_step_s"]
+    figures = {"overrides": overrides, "steps": steps, "params": plan.model.params,
+               "eager_step_s": e, "compiled_step_s": c, "speedup": e / c,
+               "compile_s": max(0.0, compiled["step_s_each"][0] - c),
+               "eager_step_s_each": eager["step_s_each"], "compiled_step_s_each": compiled["step_s_each"],
+               "predicted_speedup": COMPILE_SPEEDUP[device], "predicted_compile_s": COMPILE_S[device]}
+    print_table(f"per-block compile, GPT {s['compile_model']}, one rank on {check.device}",
+                ["eager ms", "compiled ms", "speedup (whole step)", "predicted (blocks)", "compile s", "predicted s"],
+                [[e * 1e3, c * 1e3, e / c, COMPILE_SPEEDUP[device], figures["compile_s"], COMPILE_S[device]]])
+    return figures
+
+
 PART_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "doctor": doctor, "default_job": default_job, "memory_model": memory_model, "step_time": step_time, "dcp": dcp,
+    "compile": compile_part,
 }
 
 
@@ -691,6 +735,9 @@ def headline(name: str, r: dict[str, Any]) -> str:
         return f"measured / predicted {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} cases"
     if name == "step_time":
         return "measured / predicted " + ", ".join(f"{c['case']} {c['ratio']:.2f}" for c in r["cases"])
+    if name == "compile":
+        return (f"compiled {r['speedup']:.2f}x eager (blocks predicted {r['predicted_speedup']:.2f}x), compile "
+                f"{r['compile_s']:.1f} s (predicted {r['predicted_compile_s']:.1f} s)")
     return (f"{r['bytes'] / 1e9:.2f} GB, save {r['save_s']:.2f} s, load {r['load_s']:.2f} s, "
             f"{r['tensors']} tensors {'equal' if r['equal'] else 'DIFFER'}")
 

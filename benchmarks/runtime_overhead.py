@@ -12,9 +12,11 @@ accumulation, bucket size) are trained three ways in one run, alternating (ABCAB
 Ray Train and torchrun run the runtime's own `Trainer` (one thread per worker, as our
 worker actors use), so only the launcher differs. Each launch is a fresh process that starts
 what it needs (a Ray cluster for ours and Ray Train), as a user's first run does. Figures:
-seconds from launch to the end of the first optimizer step, steady-state tokens/s (the mean
-after the first steps, the same rule for all three), and the ratios. Goals: ours >= 0.97x
-torchrun's throughput, and launch-to-first-step no slower than Ray Train's.
+seconds from launch to the end of the first optimizer step; steady-state tokens/s from the wall
+time between step ends (so whatever a launcher does between steps counts), beside the figure
+from the step's own timing; ours' loop overhead per step as its summary.json measures it; and
+the ratios. Goals: ours >= 0.99x torchrun's and >= 1.0x Ray Train's throughput, and
+launch-to-first-step no slower than Ray Train's.
 Writes benchmarks/results/runtime_overhead.json.
 """
 
@@ -34,8 +36,10 @@ from _common import ROOT, child_env, parse_args, print_table, python, run, stead
 
 JOB = ROOT / "jobs" / "llm.yaml"
 WORLD = 2
-LAUNCHERS = ("ours", "ray_train", "torchrun")
-GOAL_THROUGHPUT_VS_TORCHRUN = 0.97
+LAUNCHERS = ("ours", "ours_compiled", "ray_train", "torchrun")
+"""`ours_compiled` is `submit` with train.compile=true: the same run with its blocks compiled."""
+GOAL_THROUGHPUT_VS_TORCHRUN = 0.99
+GOAL_THROUGHPUT_VS_RAY_TRAIN = 1.0
 # The driver drains the ranks' metrics every half second: ours' first step is seen up to this late.
 DRIVER_POLL_S = 0.5
 _POLL_S = 0.02
@@ -78,16 +82,14 @@ def train_loop(job_overrides: list[str], plan: dict[str, Any], result: str) -> N
     # The plan arrives as its JSON contract (plan.json's), as the launchers hand it over.
     tr = Trainer(cfg, Plan.from_dict(plan), torch.device("cpu"))
     tr.evaluate()
-    first_end, steps = None, []
+    ends, steps = [], []
     for step in range(cfg.train.max_steps):
         res = tr.train_step(step)
-        if first_end is None:
-            first_end = time.time()
+        ends.append(time.time())
         steps.append(res.step_s)
     tr.evaluate()
     if dist.get_rank() == 0:
-        Path(result).write_text(json.dumps({"first_step_end": first_end, "step_s": steps,
-                                            "tokens_per_step": tr.tokens_per_step}))
+        Path(result).write_text(json.dumps({"step_end": ends, "step_s": steps, "tokens_per_step": tr.tokens_per_step}))
 
 
 def _ray_train_worker(config: dict[str, Any]) -> None:
@@ -148,9 +150,10 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
     """One launch; the seconds to the first step's end and the steady tokens/s."""
     work = Path(tempfile.mkdtemp(prefix=f"{launcher}-", dir=tmp))
     log = work / "output.log"
-    if launcher == "ours":
+    if launcher.startswith("ours"):
         runs = work / "runs"
-        cmd = [python(), "-m", "orchestrator", "submit", str(JOB), *job_overrides, f"monitor.runs_dir={runs}"]
+        cmd = [python(), "-m", "orchestrator", "submit", str(JOB), *job_overrides, f"monitor.runs_dir={runs}",
+               f"train.compile={'true' if launcher == 'ours_compiled' else 'false'}"]
         t0, first = _launch(cmd, log, watch=runs)
         run_dir = next(runs.iterdir())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -161,7 +164,11 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
             raise RuntimeError(f"submit planned {got['strategy']} {got['mesh']} micro {got['micro_batch_size']}, "
                                f"not the plan the other launchers run; see {run_dir / 'plan.json'}")
         step_s = [r["step_s"] for r in rows if "step_s" in r]
+        ends = [r["time"] for r in rows if "step_s" in r]
         tokens = rows[0]["tokens_per_s"] * rows[0]["step_s"]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        overhead = max(summary["measured"]["orchestration_overhead_s_per_step"])
+        compile_s = summary["compile"].get("measured_compile_s")
     else:
         result = work / "result.json"
         spec = work / "spec.json"
@@ -174,20 +181,38 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
             cmd = [python(), me, "--child", "ray_train", "--spec", str(spec)]
         t0, _ = _launch(cmd, log)
         data = json.loads(result.read_text())
-        first, step_s, tokens = data["first_step_end"], data["step_s"], data["tokens_per_step"]
+        ends, step_s, tokens = data["step_end"], data["step_s"], data["tokens_per_step"]
+        first, overhead, compile_s = ends[0] if ends else None, None, None
     if first is None:
         raise RuntimeError(f"{launcher}: no step was seen; see {log}")
+    wall = steady_interval(ends)
     return {"launcher": launcher, "first_step_s": first - t0, "steps": len(step_s),
-            "step_s": steady_mean(step_s), "tokens_per_s": tokens / steady_mean(step_s)}
+            "step_s": steady_mean(step_s), "wall_step_s": wall, "tokens_per_s": tokens / wall,
+            "in_step_tokens_per_s": tokens / steady_mean(step_s), "loop_overhead_s_per_step": overhead,
+            "compile_s": compile_s, "wall_s": ends[-1] - t0 if ends else None}
+
+
+def steady_interval(ends: list[float]) -> float:
+    """Wall seconds from one step's end to the next, over the steady steps (the same rule as
+    `steady_mean`): what a run's throughput really is, including whatever a launcher does between
+    steps. The last interval is left out: it holds the final evaluation in ours' figure only."""
+    gaps = [b - a for a, b in zip(ends, ends[1:])][:-1]
+    return steady_mean(gaps)
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median per launcher over the repetitions, and ours against each peer."""
-    med = {}
+    med: dict[str, dict[str, Any]] = {}
     for name in LAUNCHERS:
         mine = [r for r in runs if r["launcher"] == name]
+        if not mine:
+            continue
         med[name] = {"first_step_s": statistics.median(r["first_step_s"] for r in mine),
                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine), "repeats": len(mine)}
+        for key in ("in_step_tokens_per_s", "wall_step_s", "loop_overhead_s_per_step", "compile_s"):
+            values = [r[key] for r in mine if r.get(key) is not None]
+            if values:
+                med[name][key] = statistics.median(values)
     ours, rt, tr = med["ours"], med["ray_train"], med["torchrun"]
     ratios = {
         "throughput_ours_over_ray_train": ours["tokens_per_s"] / rt["tokens_per_s"],
@@ -195,9 +220,21 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "first_step_ours_over_ray_train": ours["first_step_s"] / rt["first_step_s"],
         "first_step_ours_over_torchrun": ours["first_step_s"] / tr["first_step_s"],
     }
+    if "in_step_tokens_per_s" in ours and "in_step_tokens_per_s" in tr:
+        ratios["in_step_throughput_ours_over_torchrun"] = ours["in_step_tokens_per_s"] / tr["in_step_tokens_per_s"]
+    compiled = med.get("ours_compiled")
+    if compiled is not None:
+        ratios["throughput_compiled_over_eager"] = compiled["tokens_per_s"] / ours["tokens_per_s"]
+        ratios["throughput_compiled_over_torchrun"] = compiled["tokens_per_s"] / tr["tokens_per_s"]
+        saved = ours.get("wall_step_s", 0.0) - compiled.get("wall_step_s", 0.0)
+        if saved > 0 and compiled.get("compile_s") is not None:
+            # Steps after which the compiled run has made up its compile time on the eager one.
+            ratios["compile_break_even_steps"] = compiled["compile_s"] / saved
     goals = {
         "throughput_vs_torchrun": {"at_least": GOAL_THROUGHPUT_VS_TORCHRUN,
                                    "met": ratios["throughput_ours_over_torchrun"] >= GOAL_THROUGHPUT_VS_TORCHRUN},
+        "throughput_vs_ray_train": {"at_least": GOAL_THROUGHPUT_VS_RAY_TRAIN,
+                                    "met": ratios["throughput_ours_over_ray_train"] >= GOAL_THROUGHPUT_VS_RAY_TRAIN},
         "first_step_vs_ray_train": {"at_most": 1.0, "met": ratios["first_step_ours_over_ray_train"] <= 1.0},
     }
     return {"median": med, "ratios": ratios, "goals": goals}
@@ -238,15 +275,24 @@ def main(argv: list[str] | None = None) -> int:
     med, rat = result["median"], result["ratios"]
     print_table(
         f"DDP on {WORLD} CPU workers, {steps} steps, median of {repeats} launch(es) each",
-        ["launcher", "launch to first step s", "tokens/s (steady)", "ours / this: tokens/s", "ours / this: first step"],
-        [[name, med[name]["first_step_s"], med[name]["tokens_per_s"],
+        ["launcher", "launch to first step s", "tokens/s (steady, wall)", "tokens/s (in-step)",
+         "ours / this: tokens/s", "ours / this: first step"],
+        [[name, med[name]["first_step_s"], med[name]["tokens_per_s"], med[name].get("in_step_tokens_per_s"),
           med["ours"]["tokens_per_s"] / med[name]["tokens_per_s"],
           med["ours"]["first_step_s"] / med[name]["first_step_s"]]
-         for name in LAUNCHERS],
+         for name in LAUNCHERS if name in med],
         caption=f"goals: throughput >= {GOAL_THROUGHPUT_VS_TORCHRUN}x torchrun's "
-                f"({rat['throughput_ours_over_torchrun']:.3f}x); first step no later than Ray Train's "
+                f"({rat['throughput_ours_over_torchrun']:.3f}x) and >= {GOAL_THROUGHPUT_VS_RAY_TRAIN}x Ray Train's "
+                f"({rat['throughput_ours_over_ray_train']:.3f}x); first step no later than Ray Train's "
                 f"({rat['first_step_ours_over_ray_train']:.2f}x)",
     )
+    if "ours_compiled" in med:
+        c = med["ours_compiled"]
+        print(f"compiled: {rat['throughput_compiled_over_eager']:.3f}x eager's tokens/s, "
+              f"{rat['throughput_compiled_over_torchrun']:.3f}x torchrun's; compile took {c.get('compile_s', 0):.1f} s"
+              + (f", made up after {rat['compile_break_even_steps']:.0f} steps" if "compile_break_even_steps" in rat
+                 else ", never made up"))
+    print(f"ours' own loop work per step: {med['ours'].get('loop_overhead_s_per_step', 0) * 1e3:.3f} ms")
     out = write_result("runtime_overhead", result, args)
     print(f"wrote {out}")
     return 0

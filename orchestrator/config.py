@@ -106,6 +106,12 @@ class TrainConfig:
     """Seed for model init and data order; the same seed gives the same run."""
     max_failures: int = 0
     """How many times the driver restarts after a worker or node failure."""
+    compile: Union[bool, str] = "auto"
+    """`torch.compile` each repeated block (torchtitan's per-block compile, composed with
+    tensor parallelism, recomputation, FSDP2 and pipelines): `auto` compiles when the planner
+    predicts the run saves more step time than compiling costs, and runs eager, with one
+    warning naming it, for a model whose block does not compile as one graph; `true` compiles
+    (a block that breaks the graph is refused in one line); `false` runs eager."""
 
 
 @dataclass
@@ -360,6 +366,18 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"key '{key}': must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+_COMPILE_CHOICES = {True: "true", False: "false", "true": "true", "false": "false", "on": "true", "off": "false",
+                    "auto": "auto"}
+
+
+def _compile_choice(value: Any) -> str:
+    """`train.compile` as one of auto, true, false (YAML reads bare on/off/yes/no as booleans)."""
+    key = value.lower() if isinstance(value, str) else value
+    if isinstance(key, (bool, str)) and key in _COMPILE_CHOICES:
+        return _COMPILE_CHOICES[key]
+    raise ConfigError(f"key 'train.compile': expected auto, true or false, got {value!r}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Cross-field invariants the schema's types cannot state."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -387,6 +405,7 @@ def validate(cfg: JobConfig) -> None:
     _positive(t.eval_interval, "train.eval_interval")
     _positive(t.eval_iters, "train.eval_iters")
     _positive(t.max_failures, "train.max_failures", allow_zero=True)
+    t.compile = _compile_choice(t.compile)
     _auto_or_positive_int(p.tp, "parallel.tp")
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
     _auto_or_positive_int(p.pp, "parallel.pp")

@@ -213,13 +213,21 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
     plan, pinned = runtime_overhead.plan_for(runtime_overhead.overrides(5))
     assert plan["strategy"] == "ddp" and plan["world_size"] == 2
     assert f"train.micro_batch_size={plan['micro_batch_size']}" in pinned
-    runs = [{"launcher": "ours", "first_step_s": 10.0, "tokens_per_s": 970.0},
+    runs = [{"launcher": "ours", "first_step_s": 10.0, "tokens_per_s": 995.0, "wall_step_s": 0.2},
+            {"launcher": "ours_compiled", "first_step_s": 30.0, "tokens_per_s": 1050.0, "wall_step_s": 0.19,
+             "compile_s": 15.0},
             {"launcher": "ray_train", "first_step_s": 20.0, "tokens_per_s": 900.0},
             {"launcher": "torchrun", "first_step_s": 5.0, "tokens_per_s": 1000.0}]
     s = runtime_overhead.summarize(runs)
-    assert s["ratios"]["throughput_ours_over_torchrun"] == pytest.approx(0.97)
+    assert s["ratios"]["throughput_ours_over_torchrun"] == pytest.approx(0.995)
     assert s["ratios"]["first_step_ours_over_ray_train"] == pytest.approx(0.5)
     assert s["goals"]["throughput_vs_torchrun"]["met"] and s["goals"]["first_step_vs_ray_train"]["met"]
+    assert s["goals"]["throughput_vs_ray_train"]["met"]
+    # 15 s of compiling, made up at 10 ms a step.
+    assert s["ratios"]["compile_break_even_steps"] == pytest.approx(1500)
+    assert s["ratios"]["throughput_compiled_over_eager"] == pytest.approx(1050 / 995)
+    runs[0]["tokens_per_s"] = 980.0
+    assert not runtime_overhead.summarize(runs)["goals"]["throughput_vs_torchrun"]["met"]
 
 
 def test_checkpoint_cost_measures_both_modes_on_every_checkpoint(tmp_path):

@@ -24,7 +24,7 @@ sys.path.insert(0, str(BENCH))
 import gpu_check  # noqa: E402
 from test_benchmark_results import problems  # noqa: E402
 
-IN_PROCESS = ("memory_model", "step_time", "dcp")
+IN_PROCESS = ("memory_model", "step_time", "dcp", "compile")
 
 
 def _smoke(out: Path, parts: tuple[str, ...], timeout: int) -> subprocess.CompletedProcess:
@@ -91,6 +91,15 @@ def test_cpu_smoke_step_time_measures_every_size(smoke):
         assert _positive(c["predicted_step_s"], c["measured_step_s"], c["ratio"], c["tokens_per_s"], c["mfu"])
         assert c["ratio"] == pytest.approx(c["measured_step_s"] / c["predicted_step_s"])
     assert [c["params"] for c in data["cases"]] == sorted(c["params"] for c in data["cases"])
+
+
+def test_cpu_smoke_compile_times_both_modes_and_the_compile(smoke):
+    data = _result(smoke[0], "compile")
+    assert len(data["eager_step_s_each"]) == len(data["compiled_step_s_each"]) == data["steps"]
+    assert data["speedup"] == pytest.approx(data["eager_step_s"] / data["compiled_step_s"])
+    # The first compiled step compiles: it is the slowest of them by the compile itself.
+    assert data["compiled_step_s_each"][0] == max(data["compiled_step_s_each"])
+    assert data["compile_s"] == pytest.approx(data["compiled_step_s_each"][0] - data["compiled_step_s"])
 
 
 def test_cpu_smoke_dcp_loads_back_exactly_what_it_saved(smoke):

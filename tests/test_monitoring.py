@@ -137,3 +137,44 @@ def test_a_jobs_api_run_is_named_by_its_submission_id(tmp_path):
     assert first.path.name == "llm-20261205-101500-3f2a"
     again = RunDir.create(tmp_path, "llm", exact="llm-20261205-101500-3f2a")
     assert again.path.name == "llm-20261205-101500-3f2a-1"  # the first is never reused
+
+
+class _Recorded:
+    """A stand-in for a Ray metric that keeps every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    def set(self, value, tags):
+        self.calls.append(("set", value))
+
+    def observe(self, value, tags):
+        self.calls.append(("observe", value))
+
+    def inc(self, value, tags):
+        self.calls.append(("inc", value))
+
+
+def test_a_step_only_hands_its_values_over_and_the_export_sets_them_all(monkeypatch):
+    """The training loop pays a list append per step; the exporter (here called directly) puts
+    every step time in the histogram, counts every step and sets each gauge to its last value."""
+    from orchestrator.runtime import metrics
+
+    fakes: dict[str, _Recorded] = {}
+    monkeypatch.setattr(metrics, "_metric", lambda spec, keys: fakes.setdefault(spec.name, _Recorded()))
+    monkeypatch.setattr(metrics, "_start_exporter", lambda: None)
+    monkeypatch.setattr(metrics, "_live", [])
+    monkeypatch.setattr(metrics, "_gauges", {})
+    m = metrics.TrainMetrics("job", 0, node="n")
+    for step, loss, val in ((1, 3.0, None), (2, 2.5, 2.7), (3, 2.0, None)):
+        m.record_step({"step": step, "loss": loss, "val_loss": val, "step_s": 0.1 * step, "memory_bytes": 7})
+    assert all(not f.calls for f in fakes.values()), "a step exported before the exporter ran"
+    m.flush()
+    assert fakes["orchestrator_step_time_seconds"].calls == [("observe", 0.1), ("observe", 0.2),
+                                                             ("observe", pytest.approx(0.3))]
+    assert fakes["orchestrator_steps_total"].calls == [("inc", 3.0)]
+    assert fakes["orchestrator_loss"].calls == [("set", 2.0)]
+    assert fakes["orchestrator_val_loss"].calls == [("set", 2.7)]  # the last evaluation, not a later None
+    assert fakes["orchestrator_step"].calls == [("set", 3.0)]
+    m.flush()  # nothing new: nothing exported again
+    assert fakes["orchestrator_steps_total"].calls == [("inc", 3.0)]

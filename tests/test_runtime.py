@@ -80,6 +80,12 @@ def test_two_worker_run_learns_and_records_everything(cluster, tmp_path):
     for peak, base in zip(measured["peak_memory_bytes_per_rank"], measured["baseline_memory_bytes_per_rank"]):
         assert 50 << 20 < base < peak < 8 << 30
     assert predicted["peak_memory_bytes_per_rank"] == plan["memory_per_rank"]["total"] > 0
+    # What the loop itself adds per step (metrics, the driver's sink), measured on every rank.
+    overhead = measured["orchestration_overhead_s_per_step"]
+    assert len(overhead) == 2 and all(o >= 0 for o in overhead)
+    assert measured["orchestration_overhead_share"] == pytest.approx(max(overhead) / on_disk["step_s"])
+    # 30 steps never pay for a compile: eager, and the record says why.
+    assert on_disk["compile"]["enabled"] is False and "blocks run eager" in on_disk["compile"]["reason"]
     assert summary["restarts"] == []
     assert [Path(c).name for c in checkpoint_files.committed(str(run_dir / "checkpoints"))] == ["step_00000030"]
 
@@ -95,6 +101,15 @@ def test_ddp_two_workers_equal_one_worker(cluster, tmp_path):
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], abs=1e-5)
+    # The same run with its blocks compiled ends with the same weights, and records its compile.
+    comp_dir, comp, _ = _run(tmp_path, *common, "cluster.num_workers=2", "train.compile=true")
+    assert json.loads((comp_dir / "plan.json").read_text())["compile"]["enabled"] is True
+    wc = _final_weights(comp_dir, cfg)
+    for k in w2:
+        torch.testing.assert_close(wc[k], w2[k], rtol=0, atol=1e-5, msg=k)
+    record = comp["compile"]
+    assert record["enabled"] and record["measured_compile_s"] >= 0
+    assert [sorted(c) for c in record["cache"]] == [["fxgraph_cache_hit", "fxgraph_cache_miss"]] * 2
 
 
 @pytest.mark.slow

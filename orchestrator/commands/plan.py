@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         # Deferred: measuring a model imports torch, which planning the built-in GPT never needs.
         from ..workloads.inspect import model_spec
 
-        spec = model_spec(cfg.model)
+        spec = model_spec(cfg.model, check_compile=cfg.train.compile != "false")
     plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))

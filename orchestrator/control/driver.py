@@ -237,9 +237,12 @@ def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, 
         console.print(f"left out: {escape(str(x))}")
     if note:
         console.print(f"[yellow]note:[/] {escape(note)}")
+    if spec is not None and spec.graph_break and plan.compile.requested == "auto":
+        console.print(f"[yellow]warning:[/] {escape(plan.compile.reason)}")
     console.print(
         f"plan: [bold]{plan.strategy}[/] on {plan.world_size} {'GPUs' if use_gpu else 'CPU workers'} "
         f"({plan.mesh}), micro-batch {plan.micro_batch_size} x {plan.sync.grad_accum_steps} accumulation steps"
+        + (", blocks compiled" if plan.compile.enabled else "")
     )
     return plan
 

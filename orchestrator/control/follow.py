@@ -100,7 +100,9 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
     placed = where(plan)
     announced: set[int] = set()
     e = cfg.elastic
-    watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.step_time.total_s, e.hang_factor, e.hang_floor_s))
+    # The first step of compiled blocks compiles them: its predicted cost is allowed on top.
+    watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.run_step_s, e.hang_factor, e.hang_floor_s)
+                                  + plan.compile.compile_s)
     report = LiveReport(run, lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}"))
     t_follow = time.monotonic()
     try:

@@ -19,7 +19,7 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
 
     if is_builtin_gpt(cfg.model, model_fn):
         return None
-    spec = model_spec(cfg.model, model_fn)
+    spec = model_spec(cfg.model, model_fn, check_compile=cfg.train.compile != "false")
     if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
         _check_pipeline_contract(cfg, model_fn)
     if cfg.model.hf_weights:

@@ -52,13 +52,36 @@ def peak_memory_warning(plan_total: int, finals: list[dict[str, Any]]) -> str | 
             f"plan's {plan_total:,} per rank by more than {PEAK_MEMORY_TOLERANCE:.0%}")
 
 
+def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str, Any]]) -> dict[str, Any]:
+    """What compiling the blocks cost against the plan's figures. The measured cost is the first
+    step's time over the steady step's (the first step compiles; an eager first step runs
+    about one steady step long on its allocations, which this leaves in), and each rank's
+    inductor cache hits and misses (a restart on the same node hits, misses 0)."""
+    c = plan.compile
+    out: dict[str, Any] = {"enabled": c.enabled, "requested": c.requested, "reason": c.reason,
+                           "predicted_compile_s": c.compile_s, "predicted_saving_s_per_step": c.saving_s_per_step}
+    if c.enabled and len(rows) > 1:
+        out["measured_compile_s"] = max(0.0, rows[0]["step_s"] - steady_mean([r["step_s"] for r in rows]))
+        out["cache"] = [f.get("compile_cache") for f in finals]
+    return out
+
+
+def overhead_share(finals: list[dict[str, Any]], step_s: float) -> float | None:
+    """The largest rank's reporting time per step over the step's time: what share of the
+    run's wall time the orchestrator's loop adds (None for answers that predate the figure)."""
+    per_rank = [f["overhead_s_per_step"] for f in finals if f.get("overhead_s_per_step") is not None]
+    if not per_rank or not step_s or not math.isfinite(step_s):
+        return None
+    return max(per_rank) / step_s
+
+
 def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall: float, reports) -> dict[str, Any]:
     """summary.json of a finished run."""
     lo, hi = AGREEMENT
     first_val = state.val[0][1] if state.val else None
     final_val = state.val[-1][1] if state.val else None
     measured_step = steady_mean([r["step_s"] for r in state.rows])
-    predicted = plan.step_time.total_s
+    predicted = plan.run_step_s
     measured_mem = [f["state_bytes"] for f in finals]
     warnings = []
     if predicted and math.isfinite(measured_step) and not (lo <= measured_step / predicted <= hi):
@@ -97,13 +120,18 @@ def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall:
                      "peak_memory_bytes_per_rank": [f["memory"]["peak_bytes"] for f in finals],
                      "baseline_memory_bytes_per_rank": [f["memory"]["baseline_bytes"] for f in finals],
                      "peak_reserved_bytes_per_rank": [f["memory"]["peak_reserved_bytes"] for f in finals],
-                     "memory_source": finals[0]["memory"]["source"] if finals else None},
+                     "memory_source": finals[0]["memory"]["source"] if finals else None,
+                     # What the worker's loop spends per step on reporting (metrics, the driver's
+                     # sink) rather than training: the orchestrator's own tax, measured per rank.
+                     "orchestration_overhead_s_per_step": [f.get("overhead_s_per_step") for f in finals],
+                     "orchestration_overhead_share": overhead_share(finals, measured_step)},
         "notes": notes(setups),
         "warnings": warnings,
         "nodes": sorted({r["node_id"] for r in reports}),
         "startup": state.startup,
         "restarts": state.restarts,
         "stragglers": state.stragglers.report(where(plan)),
+        "compile": compile_record(plan, state.rows, finals),
     }
 
 
@@ -135,6 +163,10 @@ def print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
         grown = max(p - b for p, b in zip(peaks, bases))
         t.add_row("peak memory above baseline", f"{grown / 2**20:,.0f} MiB (predicted "
                   f"{s['predicted']['peak_memory_bytes_per_rank'] / 2**20:,.0f} MiB)")
+    share = s["measured"].get("orchestration_overhead_share")
+    if share is not None:
+        worst = max(v for v in s["measured"]["orchestration_overhead_s_per_step"] if v is not None)
+        t.add_row("orchestrator's own work per step", f"{worst * 1000:.2f} ms ({share:.2%} of a step)")
     t.add_row("wall time", f"{s['wall_s']:.1f} s")
     t.add_row("last checkpoint", s["checkpoints"][-1] if s["checkpoints"] else "-")
     console.print(t)

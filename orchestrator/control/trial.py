@@ -25,6 +25,7 @@ from rich.table import Table
 from ..config import JobConfig
 from ..errors import RunFailed
 from ..planning.calibration import CALIBRATION_FILE, term_ratios
+from ..planning.compile import EAGER
 from ..planning.trial import WARMUP_STEPS, Candidate
 from . import supervise
 from .placement import Placement, cpu_affinity, nccl_settings
@@ -116,7 +117,8 @@ def _reset(placement: Placement, refs: list, timeout_s: float, respawn_timeout_s
 
 
 def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_gpu: bool, model_fn) -> Measured:
-    plan = c.plan
+    # Eager: compiling speeds every candidate's blocks alike, and would cost each its compile.
+    plan = replace(c.plan, compile=EAGER)
     placement.adopt(plan)
     affinity, nccl = cpu_affinity(plan, topology), nccl_settings(plan, topology)
     actors = placement.actors

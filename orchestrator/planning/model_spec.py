@@ -75,6 +75,9 @@ class ModelSpec:
     tp_rowwise_per_block: int = 0
     """Row-parallel Linears the plan names in one block: one all-reduce of the output each in
     forward (again under full recomputation). 0: unknown, priced as the GPT's two."""
+    graph_break: str | None = None
+    """Where the block's forward first breaks `torch.compile`'s graph (the reason and the source
+    line); None where it compiles as one graph, or where it was not checked (train.compile=false)."""
 
     def __post_init__(self) -> None:
         for name in ("params", "blocks", "hidden", "heads", "kv_heads", "vocab", "seq"):

@@ -16,13 +16,14 @@ from ..errors import ModelTooLarge, PlanError
 from ..topology.model import ClusterTopology, Device
 from .calibration import UNCALIBRATED, Calibration
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
+from .compile import EAGER, CompilePlan, decide
 from .compute import DeviceSpeed, device_speed, unlisted_note
 from .cost import Estimate, JobContext, estimate, ties_head
 from .gpus import known_names, lookup
 from .layout import ClusterLayout, Wirings, node_name
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN, MemoryBreakdown, byte_layout, usable_bytes
 from .mesh import Mesh, RankPlacement
-from .model_math import ModelShape, model_flops_per_step, param_count
+from .model_math import ModelShape, flops_per_step, forward_flops_per_token_layers, model_flops_per_step, param_count
 from .model_spec import ModelSpec
 from .nics import assign_nics
 from .pipeline import Pipeline
@@ -164,6 +165,10 @@ class Plan:
     """Lines that explain the choice to a person."""
     left_out: tuple[LeftOut, ...] = ()
     """Nodes of the probed cluster that run no rank (a GPU-less head under a GPU plan), and why."""
+    compile: CompilePlan = EAGER
+    """Whether the blocks run compiled (`torch.compile`), priced against the run's length.
+    `step_time` is the eager step the search compared candidates by (compiling speeds every
+    candidate's blocks alike); `run_step_s` is the step that runs."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.mesh.world_size:
@@ -177,6 +182,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    @property
+    def run_step_s(self) -> float:
+        """Predicted seconds of the step that runs: compiled blocks' saving taken off."""
+        return self.step_time.total_s - self.compile.saving_s_per_step
 
     @property
     def groups(self) -> dict[str, list[list[int]]]:
@@ -206,6 +216,7 @@ class Plan:
             "world_size": self.world_size,
             "explanation": list(self.explanation),
             "left_out": [x.to_dict() for x in self.left_out],
+            "compile": self.compile.to_dict(),
         }
 
     @classmethod
@@ -227,6 +238,7 @@ class Plan:
             alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", [])),
             explanation=tuple(d.get("explanation", [])),
             left_out=tuple(LeftOut(**x) for x in d.get("left_out", [])),
+            compile=CompilePlan.from_dict(d["compile"]) if "compile" in d else EAGER,
         )
 
 
@@ -524,6 +536,11 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
                      for r in res.rejected[:MAX_ALTERNATIVES]]
     ranks, nic_notes = assign_nics(real_ranks(view, real, cl), {node_name(n, i): n for i, n in enumerate(real.nodes)})
     nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
+    # The optimizer's share of compute_s is counted with the blocks': a slight overstatement of
+    # the saving, which the run's length outweighs or not by far more.
+    compiled = decide(str(cfg.train.compile), ctx.device, e.compute_s * block_share(shape, ctx.global_batch,
+                                                                                    str(e.choice.recompute)),
+                      cfg.train.max_steps, spec.graph_break if spec else None)
     return Plan(
         model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
                            peak_tflops_per_rank=ctx.speed.peak_tflops, name=spec.name if spec else "gpt",
@@ -544,9 +561,19 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
         explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + _unlisted(topology, cfg)
+                          + [f"compile: {compiled.reason}"]
                           + describe_domains(view, real) + nic_notes + [f"left out: {x}" for x in left_out]),
         left_out=left_out,
+        compile=compiled,
     )
+
+
+def block_share(shape: ModelShape, batch: int, recompute: str) -> float:
+    """The share of a step's FLOPs spent in the repeated blocks (recomputation included): what
+    compiling them speeds up. The rest is the embeddings, the head and the loss."""
+    step = flops_per_step(shape, batch, recompute)
+    outside = flops_per_step(shape, batch, "none") - 3 * batch * shape.seq * forward_flops_per_token_layers(shape)
+    return max(0.0, min(1.0, (step - outside) / step))
 
 
 def too_large(ctx: JobContext, wirings: Wirings, res: SearchResult, name: str) -> str:

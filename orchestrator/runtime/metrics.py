@@ -13,6 +13,7 @@ the key the Ray dashboard's Jobs page shows as a job's name.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -67,10 +68,19 @@ set within two export intervals (2 x `metrics_report_interval_ms`, 20 s by defau
 set once (the plan's memory, the restarts so far) or by a step slower than that would vanish
 from Prometheus between steps."""
 
+EXPORT_INTERVAL_S = 1.0
+"""How often the steps recorded since the last export reach Ray's metrics. The training loop only
+hands a step's values over (a list append); a background thread sets the metrics, so none of
+that work (tag checks, a lock per metric, a memory reading) sits between two steps. Ray's agent
+reads them every report interval (10 s by default), so a second's delay shows nowhere."""
+
 _registry: dict[str, Any] = {}
 _gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 _gauges_lock = threading.Lock()
-_refresher: threading.Thread | None = None
+_exporter: threading.Thread | None = None
+# Every TrainMetrics of this process, for the exporter: held, so a step recorded by one its
+# creator dropped still reaches Ray (a few per process: one per setup).
+_live: list["TrainMetrics"] = []
 
 
 def _metric(spec: MetricSpec, tag_keys: tuple[str, ...]) -> Any:
@@ -90,24 +100,34 @@ def _metric(spec: MetricSpec, tag_keys: tuple[str, ...]) -> Any:
 
 def _set_gauge(spec: MetricSpec, tag_keys: tuple[str, ...], value: float, tags: dict[str, str]) -> None:
     """Set a gauge and keep setting it to this value every GAUGE_REFRESH_S until it changes."""
-    global _refresher
     _metric(spec, tag_keys).set(value, tags=tags)
     with _gauges_lock:
         _gauges[(spec.name, tuple(tags.items()))] = value
-        if _refresher is None:
-            _refresher = threading.Thread(target=_refresh_gauges, name="orchestrator-gauges", daemon=True)
-            _refresher.start()
+    _start_exporter()
 
 
-def _refresh_gauges() -> None:
+def _start_exporter() -> None:
+    global _exporter
+    with _gauges_lock:
+        if _exporter is None:
+            _exporter = threading.Thread(target=_export_loop, name="orchestrator-metrics", daemon=True)
+            _exporter.start()
+
+
+def _export_loop() -> None:
     import time
 
+    refreshed = time.monotonic()
     while True:
-        time.sleep(GAUGE_REFRESH_S)
-        with _gauges_lock:
-            last = list(_gauges.items())
-        for (name, tags), value in last:
-            _registry[name].set(value, tags=dict(tags))
+        time.sleep(EXPORT_INTERVAL_S)
+        for m in list(_live):
+            m.flush()
+        if time.monotonic() - refreshed >= GAUGE_REFRESH_S:
+            refreshed = time.monotonic()
+            with _gauges_lock:
+                last = list(_gauges.items())
+            for (name, tags), value in last:
+                _registry[name].set(value, tags=dict(tags))
 
 
 def _current_node() -> str:
@@ -126,9 +146,19 @@ def process_memory_bytes() -> int:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
+    return int(_this_process().memory_info().rss)
+
+
+@functools.lru_cache(maxsize=4)
+def _process(pid: int):
     import psutil
 
-    return int(psutil.Process(os.getpid()).memory_info().rss)
+    return psutil.Process(pid)
+
+
+def _this_process():
+    # Keyed by pid: a forked child must not read its parent's figures.
+    return _process(os.getpid())
 
 
 class TrainMetrics:
@@ -142,32 +172,48 @@ class TrainMetrics:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.tags = {JOB_TAG: job, "rank": str(rank), "node": node or _current_node()}
         self._metrics = {spec.name: (spec, _metric(spec, TAG_KEYS)) for spec in METRICS}
+        self._pending: list[Mapping[str, Any]] = []
+        self._lock = threading.Lock()
+        _live.append(self)
+        _start_exporter()
         # What the rank's measured memory is read against on a dashboard.
         for spec, value in ((PLANNED_MEMORY, planned_bytes), (BASELINE_MEMORY, baseline_bytes)):
             if value is not None:
                 _set_gauge(spec, TAG_KEYS, float(value), self.tags)
 
     def record_step(self, result: Mapping[str, Any]) -> None:
-        """Export one step's result dict (the Trainer's StepResult as a dict).
+        """Hand one step's result dict (the Trainer's StepResult as a dict) to the exporter,
+        which sets the metrics within EXPORT_INTERVAL_S (`flush` does it at once).
 
         Keys it reads: loss, val_loss, tokens_per_s, step_s, exposed_comm_s, mfu, grad_norm,
         lr, memory_bytes, step. Absent or None keys are skipped (a step without evaluation has
-        no val_loss); memory_bytes, when absent, is measured from this process.
+        no val_loss); memory_bytes, when absent, is measured from this process at export.
         """
-        values = dict(result)
-        if values.get("memory_bytes") is None:
-            values["memory_bytes"] = process_memory_bytes()
+        with self._lock:
+            self._pending.append(result)
+
+    def flush(self) -> None:
+        """Export every step recorded since the last export: each step time into the histogram,
+        the steps into the counter, every gauge to the last value the steps gave it."""
+        with self._lock:
+            rows, self._pending = self._pending, []
+        if not rows:
+            return
+        last: dict[str, Any] = {}
+        for row in rows:
+            last.update((k, v) for k, v in row.items() if v is not None)
+        if last.get("memory_bytes") is None:
+            last["memory_bytes"] = process_memory_bytes()
         for spec, metric in self._metrics.values():
             if spec.step_key is None:
                 continue
-            value = values.get(spec.step_key)
-            if value is None:
-                continue
             if spec.kind == "histogram":
-                metric.observe(float(value), tags=self.tags)
-            else:
-                _set_gauge(spec, TAG_KEYS, float(value), self.tags)
-        self._metrics["orchestrator_steps_total"][1].inc(1.0, tags=self.tags)
+                for row in rows:
+                    if row.get(spec.step_key) is not None:
+                        metric.observe(float(row[spec.step_key]), tags=self.tags)
+            elif last.get(spec.step_key) is not None:
+                _set_gauge(spec, TAG_KEYS, float(last[spec.step_key]), self.tags)
+        self._metrics["orchestrator_steps_total"][1].inc(float(len(rows)), tags=self.tags)
 
 
 def record_restarts(job: str, restarts: int) -> None:

@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
+from orchestrator.runtime.compile import compile_blocks as compile_model_blocks
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 from orchestrator.workloads.models import apply_recompute, block_slots
 
@@ -289,13 +290,15 @@ def parallelize(
     node_of_rank: tuple[str, ...] | None = None,
     static_graph: bool = False,
     materialize: Callable[[nn.Module], None] | None = None,
+    compile_blocks: bool = False,
 ) -> Parallelized:
     """Wrap `model` as `ex` says on `mesh`: a model initialised identically on every rank, or
     one whose parameters are on the meta device, which `materialize` allocates and fills once
     the model is sharded (each rank then only ever holds its own shards).
 
-    Order follows torchtitan: tensor parallelism, then activation checkpointing, then data
-    parallelism, then the optimizer over the resulting (possibly sharded) parameters.
+    Order follows torchtitan: tensor parallelism, then activation checkpointing, then per-block
+    compilation (`compile_blocks`), then data parallelism, then the optimizer over the resulting
+    (possibly sharded) parameters.
     `node_of_rank` (the node of every global rank) groups a hierarchical all-reduce;
     `static_graph` is DDP's (the set of used parameters is the same every step).
     """
@@ -312,6 +315,8 @@ def parallelize(
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     apply_recompute(model, ex.recompute)
+    if compile_blocks:
+        compile_model_blocks(model)
 
     if ex.ddp_reduces:
         if on_meta:

@@ -280,7 +280,7 @@ def _stage_module(model: nn.Module) -> StageModule:
 def build_pipeline(model: nn.Module, ex: Execution, mesh: DeviceMesh,
                    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer], device: torch.device,
                    node_of_rank: tuple[str, ...] | None = None,
-                   materialize: Callable[[nn.Module], None] | None = None) -> Pipelined:
+                   materialize: Callable[[nn.Module], None] | None = None, compile_blocks: bool = False) -> Pipelined:
     """Split `model` (initialised identically on every rank, or on the meta device with
     `materialize` to allocate each chunk once it is sharded) into this rank's chunks,
     parallelize each as `ex` says on `mesh`, and build their stages and torch's schedule over
@@ -293,8 +293,8 @@ def build_pipeline(model: nn.Module, ex: Execution, mesh: DeviceMesh,
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     chunks = split_model(model, pl, pp_rank)
-    parts = [parallelize(c, ex, mesh, make_optimizer, device, node_of_rank=node_of_rank, materialize=materialize)
-             for c in chunks]
+    parts = [parallelize(c, ex, mesh, make_optimizer, device, node_of_rank=node_of_rank, materialize=materialize,
+                         compile_blocks=compile_blocks) for c in chunks]
     group = pp_mesh.get_group()
     stages = [PipelineStage(p.model, c, pl.chunks, device, group=group)
               for p, c in zip(parts, pl.chunks_of(pp_rank))]

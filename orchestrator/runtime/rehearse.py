@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..config import JobConfig
 from ..errors import ConfigError
 from ..planning import Plan
+from ..planning.compile import EAGER
 from .rehearse_fake import SENT_META, fake_safe_runtime, forget_world, peak_tracker
 from .rehearse_record import AxisNames, Collective, CollectiveRecorder
 
@@ -171,6 +172,9 @@ def rehearse_rank(cfg: JobConfig, plan: Plan, rank: int, vocab: int | None = Non
         raise ValueError(f"rank must be in [0, {plan.world_size}), got {rank}")
     start = time.perf_counter()
     run_cfg, notes = _rehearsal_config(cfg, plan)
+    if plan.compile.enabled:
+        notes.append("rehearsed with the blocks eager: the plan compiles them, and compiled kernels' memory is "
+                     "not rehearsed")
     data = _StandInTokens(vocab or cfg.model.vocab_size, cfg.model.block_size)
     recorder = CollectiveRecorder(AxisNames(plan, rank))
     tracker = peak_tracker()
@@ -184,7 +188,9 @@ def rehearse_rank(cfg: JobConfig, plan: Plan, rank: int, vocab: int | None = Non
                 # The tracker is on from the first allocation, so what the Trainer keeps
                 # (shards, buckets, stage buffers) is counted; re-entering it resets its peak.
                 with tracker, recorder:
-                    trainer = Trainer(run_cfg, plan, REHEARSAL_DEVICE, data=data)
+                    # Eager: fake tensors do not go through inductor (compiled blocks' memory is
+                    # not rehearsed; the note says so).
+                    trainer = Trainer(run_cfg, replace(plan, compile=EAGER), REHEARSAL_DEVICE, data=data)
                     if trainer.pipelined:
                         # torch's stages learn their shapes in their first step (a vote, and
                         # a forward and backward on meta tensors, all-gathering FSDP2's units):

@@ -29,6 +29,7 @@ from ..planning import Plan
 from ..planning.resolve import on_device
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
+from .compile import eager_for_eval
 from .hf_weights import check_weights, load_weights
 from .materialize import allocate, build_on_meta, init_recipe, materialize
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
@@ -81,6 +82,8 @@ class Trainer:
         self.build_notes: list[str] = []
         """How the model was built where it differs from the meta build (one sentence each)."""
         self.autocast_dtype = _DTYPES.get(ex.autocast) if ex.autocast else None
+        self.compiled = plan.compile.enabled
+        """The blocks run compiled (the plan's choice): each compiles at its first forward."""
 
         m = cfg.model
         model, init_shards = self._build(model_fn)
@@ -98,10 +101,10 @@ class Trainer:
                                    f"accumulates {self.accum}: they are the same thing under a pipeline")
             # Split first, then move: each rank puts only its own stage on the device.
             self.par = build_pipeline(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
-                                      materialize=init_shards)
+                                      materialize=init_shards, compile_blocks=self.compiled)
         else:
             self.par = parallelize(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
-                                   materialize=init_shards)
+                                   materialize=init_shards, compile_blocks=self.compiled)
         del model  # a pipeline rank keeps only its own stage's modules
         if m.hf_weights:
             # Every rank takes part (it is collective), each reading only its own slices.
@@ -306,6 +309,10 @@ class Trainer:
         """Mean validation loss over `eval_iters` batches of `global_batch_size` sequences: the
         same sequences whatever the world size, each rank taking its data-parallel share in
         micro-batch chunks (the share is micro x accum, so chunks are equal and means average)."""
+        with eager_for_eval(self.compiled):
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         t = self.cfg.train
         model = self.par.model
         model.eval()

@@ -137,6 +137,11 @@ class RankLeft(RuntimeError):
 TIMES_BATCH = 10
 """Steps of per-rank timings sent to the driver at once (one small message per rank per batch)."""
 
+SEND_INTERVAL_S = 0.5
+"""Rank 0's step rows wait at most this long before they go to the driver's sink, together: the
+driver drains the sink every half second anyway, and each remote call costs the sending rank, the
+sink's process and Ray's own processes CPU time that a step on a busy host then misses."""
+
 
 @ray.remote
 class MetricsSink:
@@ -148,9 +153,36 @@ class MetricsSink:
     def put(self, item: dict[str, Any]) -> None:
         self._items.append(item)
 
+    def put_many(self, items: list[dict[str, Any]]) -> None:
+        self._items.extend(items)
+
     def drain(self) -> list[dict[str, Any]]:
         items, self._items = self._items, []
         return items
+
+
+class Outbox:
+    """What a rank sends the driver's sink, sent in batches: at once when `urgent`, else when the
+    oldest waiting item is SEND_INTERVAL_S old. Items keep their order: one caller's calls to an
+    actor run in the order they were made."""
+
+    def __init__(self, sink, interval_s: float = SEND_INTERVAL_S) -> None:
+        self._sink = sink
+        self._interval_s = interval_s
+        self._items: list[dict[str, Any]] = []
+        self._since = 0.0
+
+    def add(self, item: dict[str, Any], urgent: bool = False) -> None:
+        if not self._items:
+            self._since = time.monotonic()
+        self._items.append(item)
+        if urgent or time.monotonic() - self._since >= self._interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._items:
+            self._sink.put_many.remote(self._items)
+            self._items = []
 
 
 # Liveness and stack dumps answer on their own thread: a rank busy in a step, or blocked in a
@@ -326,35 +358,41 @@ class Worker:
 
     def _train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
         from . import checkpoint
+        from .compile import cache_counters
 
         tr = self.trainer
         cfg = tr.cfg
+        outbox = Outbox(sink)
         last_val = None
         if start == 0:
             last_val = tr.evaluate()  # the untrained model's loss: the baseline of the curve
             if self.rank == 0:
-                sink.put.remote({"kind": "eval", "step": 0, "val_loss": last_val})
+                outbox.add({"kind": "eval", "step": 0, "val_loss": last_val}, urgent=True)
         times: list[tuple[float, float]] = []  # this rank's own timings, for the straggler report
         pending = None  # a checkpoint being written in the background, committed after the next step
+        overhead_s = 0.0  # this loop's own work per step: reporting, not training
         for step in range(start, end):
             res = tr.train_step(step)
             if pending is not None:
-                self._committed(pending.commit(), pending.step, sink)
+                self._committed(pending.commit(), pending.step, outbox)
                 pending = None
             done = step + 1  # metrics count completed optimizer steps
             final = done == cfg.train.max_steps
-            if done % cfg.train.eval_interval == 0 or final:
+            evaluated = done % cfg.train.eval_interval == 0 or final
+            if evaluated:
                 res.val_loss = last_val = tr.evaluate()
+            t_report = time.perf_counter()
             row = {**asdict(res), "step": done, "time": time.time()}
             if self.peak_flops:
                 row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
             self.metrics.record_step(row)
             if self.rank == 0:
-                sink.put.remote({"kind": "step", **row})
+                outbox.add({"kind": "step", **row}, urgent=evaluated)
             times.append((res.step_s, res.exposed_comm_s))
             if len(times) >= TIMES_BATCH or final:
-                sink.put.remote({"kind": "times", "rank": self.rank, "times": times})
+                outbox.add({"kind": "times", "rank": self.rank, "times": times})
                 times = []
+            overhead_s += time.perf_counter() - t_report
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
                 meta = tr.checkpoint_meta()
@@ -363,19 +401,23 @@ class Worker:
                                                     cfg.checkpoint.keep_last, self.writer_group)
                 else:  # the last one: nothing left to overlap it with
                     path = checkpoint.save(checkpoint_dir, done, tr.state_dict(), meta, cfg.checkpoint.keep_last)
-                    self._committed(path, done, sink)
+                    self._committed(path, done, outbox)
         if pending is not None:  # end < max_steps: the run stops here, its last checkpoint still counts
-            self._committed(pending.commit(), pending.step, sink)
+            self._committed(pending.commit(), pending.step, outbox)
+        outbox.flush()
+        self.metrics.flush()  # the last steps' values now, not at the exporter's next tick
         if self.rank == 0:
             # Calls from one caller run in order: once this returns, the sink holds every item
             # above, so the driver's last drain after this method returns misses nothing.
             ray.get(sink.put.remote({"kind": "end"}))
         return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes(),
-                "memory": asdict(memory_use(tr.device, self.memory_baseline))}
+                "memory": asdict(memory_use(tr.device, self.memory_baseline)),
+                "overhead_s_per_step": overhead_s / max(1, end - start),
+                "compile_cache": cache_counters() if tr.compiled else None}
 
-    def _committed(self, path: str, step: int, sink) -> None:
+    def _committed(self, path: str, step: int, outbox: Outbox) -> None:
         if self.rank == 0:
-            sink.put.remote({"kind": "checkpoint", "step": step, "path": str(path)})
+            outbox.add({"kind": "checkpoint", "step": step, "path": str(path)}, urgent=True)
 
     def shutdown(self) -> None:
         import torch.distributed as dist

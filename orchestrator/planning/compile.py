@@ -1,0 +1,99 @@
+"""Whether the run compiles its blocks with `torch.compile`, priced against the run's length.
+
+Compilation is per block class, as torchtitan does it: every repeated block is compiled in
+place, and blocks of one class share one compiled graph, so the cost is paid once per class
+(forward and backward), not per layer. What it buys is a faster block: the embeddings, head,
+loss, optimizer and every collective run as before. `auto` compiles when the seconds saved
+over the run's steps exceed the seconds compiling takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import PlanError
+
+COMPILE_SPEEDUP = {"gpu": 6667 / 5762, "cpu": 1.02}
+"""A block's eager time over its compiled time. gpu: torchtitan's Llama 3 8B on 8 H100s
+(FSDP2, bf16, per-block compile), 5,762 -> 6,667 tokens/s per GPU; measured on the whole step,
+so it understates the blocks' own gain. cpu: the runtime's whole step of the default job, DDP
+on 2 gloo ranks of one thread each, eager 197 ms against compiled 193 ms (the blocks alone:
+1.03x); again the whole step's ratio (benchmarks/compile_gain.py, results/compile.json). The
+blocks' matmuls are MKL's either way: compiling fuses only what lies between them."""
+
+COMPILE_S = {"gpu": 13.1, "cpu": 13.1}
+"""Seconds to compile one block class's forward and backward from a cold cache (a warm cache on
+the same node: 2.3 s). cpu: the default job's GPT block with inductor's C++ backend
+(benchmarks/compile_gain.py, results/compile.json). gpu: not measured yet (the GPU check
+measures it where a GPU is lent); the CPU figure stands in."""
+
+CHOICES = ("auto", "true", "false")
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """Whether the blocks run compiled, and why."""
+
+    enabled: bool
+    """The runtime compiles every repeated block (`Module.compile`, fullgraph)."""
+    requested: str
+    """`train.compile`: auto, true or false."""
+    compile_s: float
+    """Predicted seconds of compilation (cold cache; a warm one takes a fraction of it)."""
+    saving_s_per_step: float
+    """Predicted seconds each optimizer step saves compiled (0 where nothing compiles)."""
+    steps: int
+    """Optimizer steps the saving is counted over (the run's max_steps)."""
+    reason: str
+    """One line: why the blocks run compiled or eager."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompilePlan":
+        return cls(enabled=bool(d["enabled"]), requested=str(d["requested"]), compile_s=float(d["compile_s"]),
+                   saving_s_per_step=float(d["saving_s_per_step"]), steps=int(d["steps"]), reason=str(d["reason"]))
+
+
+EAGER = CompilePlan(enabled=False, requested="false", compile_s=0.0, saving_s_per_step=0.0, steps=0,
+                    reason="blocks run eager: train.compile=false")
+
+
+def block_saving_s(block_compute_s: float, device: str) -> float:
+    """Seconds a step saves when blocks that take `block_compute_s` eager run compiled."""
+    return block_compute_s * (1.0 - 1.0 / COMPILE_SPEEDUP[device])
+
+
+def decide(requested: str, device: str, block_compute_s: float, steps: int, graph_break: str | None = None,
+           block_classes: int = 1) -> CompilePlan:
+    """Compile or not. `block_compute_s`: the predicted seconds per optimizer step the blocks'
+    forward and backward take on one rank (recomputation included); `graph_break`: where the
+    block first breaks the graph: a block that does not compile as one graph runs eager under
+    `auto`, and is refused (PlanError naming the key) under `true`."""
+    if requested not in CHOICES:
+        raise ValueError(f"train.compile must be one of {', '.join(CHOICES)}, got {requested!r}")
+    if device not in COMPILE_SPEEDUP:
+        raise ValueError(f"device kind must be one of {', '.join(COMPILE_SPEEDUP)}, got {device!r}")
+    if requested == "false":
+        return EAGER
+    cost = COMPILE_S[device] * block_classes
+    per_step = block_saving_s(block_compute_s, device)
+    saved = per_step * steps
+    priced = (f"compiling costs about {cost:.1f} s once and saves {per_step * 1e3:.2f} ms per step, "
+              f"{saved:.0f} s over {steps} steps")
+    if graph_break is not None and requested == "true":
+        raise PlanError(f"key 'train.compile': true, but the block does not compile as one graph ({graph_break}); "
+                        f"use train.compile=auto or false, or make the block traceable")
+    if graph_break is not None:
+        return CompilePlan(enabled=False, requested=requested, compile_s=0.0, saving_s_per_step=0.0, steps=steps,
+                           reason=f"blocks run eager: the block does not compile as one graph ({graph_break})")
+    if requested == "true":
+        return CompilePlan(enabled=True, requested=requested, compile_s=cost, saving_s_per_step=per_step,
+                           steps=steps, reason=f"blocks compiled, as train.compile=true asks: {priced}")
+    enabled = saved > cost
+    verdict = "blocks compiled" if enabled else "blocks run eager"
+    return CompilePlan(enabled=enabled, requested=requested, compile_s=cost if enabled else 0.0,
+                       saving_s_per_step=per_step if enabled else 0.0, steps=steps,
+                       reason=f"{verdict}: {priced}" + ("" if enabled else "; a longer run would pay for it"))

@@ -1,0 +1,65 @@
+"""Compiled-vs-eager harness: each rank trains a plan's Trainer eager, then compiled, from the
+same weights, and rank 0 writes both runs' losses (3 steps and a validation pass) and how many
+graphs dynamo compiled. Kept out of the test module so spawned ranks import it without pytest."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+from dataclasses import replace
+
+import _reshard_worker as rw
+import torch
+import torch.distributed as dist
+
+CASES = [
+    rw.PlanCase("ddp", 2, rw._forced("ddp", micro=2)),
+    # FSDP2 around checkpointed blocks: hooks outside the graph, the recomputation inside it.
+    rw.PlanCase("zero3_full_recompute", 2, (*rw._forced("zero3", micro=1), "parallel.recompute=full")),
+    rw.PlanCase("tp2", 2, rw._forced("ddp", tp=2, micro=2)),
+    rw.PlanCase("pp2", 2, rw._forced("ddp", pp=2, schedule="1f1b", micro=2)),
+]
+
+
+def _losses(cfg, plan) -> list[float]:
+    from orchestrator.runtime.trainer import Trainer
+
+    tr = Trainer(cfg, plan, torch.device("cpu"))
+    out = [tr.train_step(s).loss for s in range(rw.STEPS)] + [tr.evaluate()]
+    del tr
+    gc.collect()
+    return out
+
+
+def run_rank(rank: int, world: int, init_file: str, out_dir: str, again: bool) -> None:
+    from torch._dynamo.utils import counters
+
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+    from orchestrator.planning.compile import CompilePlan
+    from orchestrator.runtime.compile import cache_counters
+    from orchestrator.topology.model import ClusterTopology, cpu_node
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        for case in CASES[:1] if again else [c for c in CASES if c.world == world]:
+            overrides = [o.replace("model.n_layer=4", "model.n_layer=2") for o in rw.overrides("tied", case)]
+            cfg = load_config(None, overrides)
+            plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(world)]))
+            compiled = replace(plan, compile=CompilePlan(True, "true", 0.0, 0.0, rw.STEPS, "compiled for the test"))
+            eager = None if again else _losses(cfg, plan)
+            torch._dynamo.reset()
+            counters.clear()
+            result = {"compiled": _losses(cfg, compiled), "eager": eager,
+                      "graphs": int(counters["stats"]["unique_graphs"]), "cache": cache_counters()}
+            if rank == 0:
+                name = case.name + ("-again" if again else "")
+                with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+                    json.dump(result, f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
