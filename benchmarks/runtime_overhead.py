@@ -46,12 +46,15 @@ _POLL_S = 0.02
 _TIMEOUT_S = 600
 
 
-def overrides(steps: int) -> list[str]:
+_BASE = ["parallel.strategy=ddp", "parallel.tp=1", f"cluster.num_workers={WORLD}", "checkpoint.enabled=false",
+         "monitor.progress=false", "monitor.dashboard=false"]
+
+
+def overrides(steps: int, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The job every launcher runs: DDP on 2 CPU workers, no checkpoints, one evaluation batch
-    at the start and at the end (as the worker actor evaluates)."""
-    return ["parallel.strategy=ddp", "parallel.tp=1", f"cluster.num_workers={WORLD}", "checkpoint.enabled=false",
-            "monitor.progress=false", "monitor.dashboard=false", f"train.max_steps={steps}",
-            f"train.eval_interval={steps}", "train.eval_iters=1"]
+    at the start and at the end (as the worker actor evaluates); `extra` (`--set`) after them,
+    so it can change the model or the strategy (the later value of a key wins)."""
+    return [*_BASE, f"train.max_steps={steps}", f"train.eval_interval={steps}", "train.eval_iters=1", *extra]
 
 
 def plan_for(job_overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -243,6 +246,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def options(ap) -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per launch (30 quick, 120 full)")
     ap.add_argument("--repeats", type=int, default=None, help="launches of each kind (1 quick, 3 full)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides after the defaults: another model or strategy "
+                         "(e.g. model.n_embd=192 parallel.strategy=zero3)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (30 if args.quick else 120)
     repeats = args.repeats or (1 if args.quick else 3)
     t0 = time.perf_counter()
-    plan, job_overrides = plan_for(overrides(steps))
+    plan, job_overrides = plan_for(overrides(steps, args.set))
     runs = []
     with tempfile.TemporaryDirectory(prefix="runtime_overhead-") as tmp:
         for rep in range(repeats):

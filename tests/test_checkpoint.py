@@ -100,3 +100,39 @@ def test_a_corrupted_file_is_found_by_the_share_that_holds_it(one_rank, tmp_path
     shard.write_bytes(bytes(data))
     bad = [line for names in checkpoint_files.shares(meta, 2) for line in checkpoint_files.mismatched(path, names)]
     assert bad == [f"checkpoint {path}: file {shard.name} is corrupted (checksum mismatch)"]
+
+
+def test_a_resuming_trainer_only_allocates_and_takes_every_weight_from_the_checkpoint(one_rank, tmp_path,
+                                                                                      monkeypatch):
+    """Initialising weights a checkpoint then overwrites is the slowest part of building a large
+    model: a trainer built to resume allocates them, loads, and only then times its compute."""
+    from orchestrator.config import load_config
+    from orchestrator.planning import plan_job
+    from orchestrator.runtime import trainer as trainer_module
+    from orchestrator.runtime.trainer import Trainer
+    from orchestrator.topology.model import ClusterTopology, cpu_node
+
+    cfg = load_config(None, ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
+                             "train.global_batch_size=4", "train.max_steps=4", "cluster.num_workers=1"])
+    plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(1)]))
+    first = Trainer(cfg, plan, torch.device("cpu"))
+    first.start()
+    for step in range(2):
+        first.train_step(step)
+    path = checkpoint.save(str(tmp_path), 2, first.state_dict(), first.checkpoint_meta(), keep_last=1)
+    expected = {k: v.detach().clone() for k, v in first.par.model.state_dict().items()}
+    next_loss = first.train_step(2).loss
+
+    def never(*_a, **_k):
+        raise AssertionError("a resuming trainer initialised its weights")
+
+    monkeypatch.setattr(trainer_module, "materialize", never)
+    monkeypatch.setattr(trainer_module, "init_recipe", never)
+    resumed = Trainer(cfg, plan, torch.device("cpu"), resuming=True)
+    assert resumed.start(path) == 2
+    got = resumed.par.model.state_dict()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    assert resumed.train_step(2).loss == next_loss
+    with pytest.raises(RuntimeError, match="built to resume .* no checkpoint to load"):
+        Trainer(cfg, plan, torch.device("cpu"), resuming=True).start(None)

@@ -178,3 +178,38 @@ def test_a_step_only_hands_its_values_over_and_the_export_sets_them_all(monkeypa
     assert fakes["orchestrator_step"].calls == [("set", 3.0)]
     m.flush()  # nothing new: nothing exported again
     assert fakes["orchestrator_steps_total"].calls == [("inc", 3.0)]
+
+
+class _Sink:
+    """Stands in for the driver's sink actor: records each batch `put_many.remote` sends."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[dict]] = []
+        self.put_many = self
+
+    def remote(self, items):
+        self.batches.append(list(items))
+
+
+def test_the_outbox_sends_steps_together_urgent_items_at_once_and_keeps_their_order(monkeypatch):
+    from orchestrator.runtime import worker
+
+    now = [100.0]
+    monkeypatch.setattr(worker.time, "monotonic", lambda: now[0])
+    sink = _Sink()
+    box = worker.Outbox(sink, interval_s=0.5)
+    box.add({"step": 1})
+    now[0] += 0.2
+    box.add({"step": 2})
+    assert sink.batches == []  # the oldest has waited 0.2 s of 0.5
+    now[0] += 0.4
+    box.add({"step": 3})  # the oldest is 0.6 s old: all three go, in order
+    assert sink.batches == [[{"step": 1}, {"step": 2}, {"step": 3}]]
+    box.add({"step": 4})
+    box.add({"kind": "checkpoint"}, urgent=True)
+    assert sink.batches[-1] == [{"step": 4}, {"kind": "checkpoint"}]
+    box.flush()  # nothing waiting: nothing sent
+    assert len(sink.batches) == 2
+    box.add({"step": 5})
+    box.flush()
+    assert sink.batches[-1] == [{"step": 5}]

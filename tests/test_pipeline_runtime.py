@@ -143,3 +143,34 @@ def test_the_planner_keeps_a_model_without_ends_out_of_pipelines() -> None:
     llama_cfg = load_config(None, ["model.factory=orchestrator.workloads.llama:build", "model.block_size=8",
                                    "model.args={n_layers: 4}", "train.global_batch_size=8"])
     assert model_spec(llama_cfg.model).pipeline_ends
+
+
+def test_evaluation_asks_torch_for_the_losses_only_not_every_micro_batchs_logits() -> None:
+    """Merged outputs on the last stage are m micro-batches x seq x vocab of logits (tens of GB
+    for a large vocabulary): neither training nor evaluation asks torch's schedule for them."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    from orchestrator.runtime.pipeline import Pipelined
+
+    asked: list[tuple[str, object]] = []
+
+    class Schedule:
+        def step(self, *args, **kwargs):
+            asked.append(("step", kwargs.get("return_outputs", True)))
+
+        def eval(self, *args, **kwargs):
+            asked.append(("eval", kwargs.get("return_outputs", True)))
+
+    me = SimpleNamespace(parts=[SimpleNamespace(model=torch.nn.Linear(2, 2))], has_first=True, has_last=True,
+                         schedule=Schedule(), _sync_tied=lambda: None)
+    x, y = torch.zeros(2, 2), torch.zeros(2, dtype=torch.long)
+    Pipelined.step(me, x, y, train=True)
+    Pipelined.step(me, x, y, train=False)
+    assert asked == [("step", False), ("eval", False)]
+    # torch's own eval hands its keywords to step, where return_outputs is step's parameter.
+    seen = {}
+    torch_self = SimpleNamespace(_has_backward=True, step=lambda *a, **k: seen.update(k))
+    schedules.PipelineScheduleSingle.eval(torch_self, x, target=y, losses=[], return_outputs=False)
+    assert seen["return_outputs"] is False and torch_self._has_backward is True

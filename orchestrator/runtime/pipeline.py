@@ -206,13 +206,14 @@ class Pipelined:
         losses: list[torch.Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": y, "losses": losses} if self.has_last else {}
+        # The losses are all the loop needs: torch would otherwise keep every micro-batch's
+        # logits on the last stage to hand back merged (m x micro-batch x seq x vocab). `eval`
+        # passes its keywords on to `step`, whose own they are.
         if train:
-            # The losses are all the loop needs: torch would otherwise keep every micro-batch's
-            # logits on the last stage to hand back merged (m x micro-batch x seq x vocab).
             self.schedule.step(*args, return_outputs=False, **kwargs)
             self._sync_tied()
         else:
-            self.schedule.eval(*args, **kwargs)
+            self.schedule.eval(*args, return_outputs=False, **kwargs)
         if not losses:
             return torch.zeros((), device=x.device)
         return torch.stack([v.detach().float() for v in losses]).mean()

@@ -57,8 +57,11 @@ class Trainer:
     """Model, data, optimizer and loop of one rank under a plan."""
 
     def __init__(self, cfg: JobConfig, plan: Plan, device: torch.device,
-                 model_fn: Callable[..., Any] | None = None, data: Any | None = None) -> None:
+                 model_fn: Callable[..., Any] | None = None, data: Any | None = None, resuming: bool = False) -> None:
+        """`resuming`: `start` will load a checkpoint into the model, so its parameters are only
+        allocated, never initialised or read from `model.hf_weights` first."""
         self.cfg = cfg
+        self.resuming = resuming
         self.plan = plan
         self.device = device
         self.rank = dist.get_rank()
@@ -106,7 +109,7 @@ class Trainer:
             self.par = parallelize(model, ex, self.mesh, make_optimizer, device, node_of_rank=plan.node_of_rank,
                                    materialize=init_shards, compile_blocks=self.compiled)
         del model  # a pipeline rank keeps only its own stage's modules
-        if m.hf_weights:
+        if m.hf_weights and not resuming:
             # Every rank takes part (it is collective), each reading only its own slices.
             parts = self.par.modules if self.pipelined else [self.par.model]
             load_weights(parts, m.hf_weights, self.aliases)
@@ -131,6 +134,11 @@ class Trainer:
         model = build_on_meta(m, model_fn)
         # Checkpoints name a tied parameter once, whichever stage or wrapper holds it.
         self.aliases = tied_aliases(model)
+        if self.resuming:
+            # Every parameter comes from the checkpoint `start` loads: initialising them first
+            # (a large model's slowest part of building) would only be overwritten. Any model
+            # builds on meta, so this holds for one that cannot be initialised by module too.
+            return model, lambda mod: allocate(mod, self.device)
         if m.hf_weights:
             # Checked from the file's headers against the whole model, before any memory is
             # spent; every parameter then comes from the file, so none is initialised.
@@ -234,10 +242,15 @@ class Trainer:
         return ex.ddp_reduces or (self.accum > 1 and not ex.reduce_every_micro_step)
 
     def start(self, resume_from: str | None = None) -> int:
-        """Ready the rank to train, as every launcher does: calibrate the compute-only step
-        time, then load `resume_from` if given. Returns the step to train from."""
+        """Ready the rank to train, as every launcher does: load `resume_from` if given, then
+        calibrate the compute-only step time (on the loaded weights: a trainer built `resuming`
+        holds uninitialised memory until then). Returns the step to train from."""
+        if self.resuming and not resume_from:
+            raise RuntimeError("this trainer was built to resume (its weights only allocated) but start() got "
+                               "no checkpoint to load")
+        step = self.load_checkpoint(resume_from) if resume_from else 0
         self.calibrate_compute()
-        return self.load_checkpoint(resume_from) if resume_from else 0
+        return step
 
     def _global_mean(self, value: torch.Tensor) -> float:
         # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so

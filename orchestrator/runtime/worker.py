@@ -162,9 +162,10 @@ class MetricsSink:
 
 
 class Outbox:
-    """What a rank sends the driver's sink, sent in batches: at once when `urgent`, else when the
-    oldest waiting item is SEND_INTERVAL_S old. Items keep their order: one caller's calls to an
-    actor run in the order they were made."""
+    """What a rank sends the driver's sink, sent in batches: at once when `urgent`, else with the
+    first item added once the oldest waiting one is SEND_INTERVAL_S old (so an item waits at most
+    that and one step). Items keep their order: one caller's calls to an actor run in the order
+    they were made."""
 
     def __init__(self, sink, interval_s: float = SEND_INTERVAL_S) -> None:
         self._sink = sink
@@ -271,7 +272,7 @@ class Worker:
         from . import checkpoint
 
         self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
-        self.trainer = Trainer(cfg, plan, device, model_fn)
+        self.trainer = Trainer(cfg, plan, device, model_fn, resuming=resume_from is not None)
         t_build = time.monotonic()
         self.metrics = TrainMetrics(cfg.name, self.rank, planned_bytes=plan.memory_per_rank.total,
                                     baseline_bytes=self.memory_baseline)
@@ -390,7 +391,9 @@ class Worker:
                 outbox.add({"kind": "step", **row}, urgent=evaluated)
             times.append((res.step_s, res.exposed_comm_s))
             if len(times) >= TIMES_BATCH or final:
-                outbox.add({"kind": "times", "rank": self.rank, "times": times})
+                # Already a batch: sent now, or the other ranks' timings (their only items) would
+                # wait a batch more for the straggler report.
+                outbox.add({"kind": "times", "rank": self.rank, "times": times}, urgent=True)
                 times = []
             overhead_s += time.perf_counter() - t_report
             every = cfg.checkpoint.interval
