@@ -97,7 +97,7 @@ def decide(requested: str, device: str, block_compute_s: float, steps: int, grap
                            steps=steps, reason=f"blocks compiled, as train.compile=true asks: {priced}")
     enabled = saved > cost
     verdict = "blocks compiled" if enabled else "blocks run eager"
+    longer = "; a longer run would pay for it" if per_step > 0 and not enabled else ""
     return CompilePlan(enabled=enabled, requested=requested, compile_s=cost if enabled else 0.0,
                        saving_s_per_step=per_step if enabled else 0.0, steps=steps,
-                       reason=f"{verdict}: {priced}" + ("; a longer run would pay for it" if per_step > 0 and not enabled
-                                                        else ""))
+                       reason=f"{verdict}: {priced}{longer}")
