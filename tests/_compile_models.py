@@ -37,5 +37,5 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def build(breaks: bool = True, **_: object) -> Model:
-    return Model(breaks)
+def build(breaks: bool = True, width: int = 16, layers: int = 2, **_: object) -> Model:
+    return Model(breaks, width=width, layers=layers)

@@ -124,18 +124,33 @@ def test_the_builtin_models_compile_as_one_graph_and_a_break_is_named():
 
 
 def test_plan_refuses_a_breaking_block_under_true_and_runs_it_eager_under_auto(capsys):
-    model = ["model.factory=_compile_models:build", "model.block_size=16", "train.max_steps=100000"]
+    # Wide enough, and long enough a run, that an A100 plan would compile it.
+    model = ["model.factory=_compile_models:build", "model.args.width=2048", "model.args.layers=8",
+             "model.block_size=1024", "train.max_steps=100000"]
     assert main(["plan", "--topology", TOPO, "--gpu", "A100", "jobs/llm.yaml", *model, "train.compile=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: key 'train.compile': true, but the block does not compile "
                                                "as one graph (_compile_models.py:")
+    # Under auto the block is traced once the plan would compile it, and then runs eager.
     assert main(["plan", "--topology", TOPO, "--gpu", "A100", "jobs/llm.yaml", *model, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["compile"]["enabled"] is False and "does not compile as one graph" in out["compile"]["reason"]
-    # The same model without the break compiles when asked (so tiny a model never pays for it under auto).
+    # The same model without the break compiles.
     assert main(["plan", "--topology", TOPO, "--gpu", "A100", "jobs/llm.yaml", *model, "model.args.breaks=false",
-                 "train.compile=true", "--json"]) == 0
+                 "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["compile"]["enabled"] is True
+
+
+def test_a_plan_that_never_compiles_never_traces_the_block(monkeypatch):
+    """Tracing imports dynamo (seconds): a run that stays eager does not pay for it."""
+    from orchestrator.control import preflight
+    from orchestrator.workloads import compile_check
+
+    monkeypatch.setattr(compile_check, "graph_break", lambda *a, **k: pytest.fail("traced"))
+    cfg = load_config(None, ["model.factory=_compile_models:build", "model.block_size=16"])
+    spec = preflight.measure_model(cfg)
+    assert spec is not None and not spec.compile_checked
+    assert not plan_job(cfg, ClusterTopology(nodes=[cpu_node(2)]), spec).compile.enabled
 
 
 @pytest.fixture(scope="module")

@@ -103,8 +103,14 @@ def run(args: argparse.Namespace) -> int:
         # Deferred: measuring a model imports torch, which planning the built-in GPT never needs.
         from ..workloads.inspect import model_spec
 
-        spec = model_spec(cfg.model, check_compile=cfg.train.compile != "false")
+        spec = model_spec(cfg.model, check_compile=cfg.train.compile == "true")
     plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
+    if plan.compile.enabled and spec is not None and not spec.compile_checked:
+        from ..control.preflight import compile_checked
+
+        # Traced only once the plan would compile: planned again with what the trace found.
+        spec = compile_checked(cfg, spec)
+        plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))
     if args.json:

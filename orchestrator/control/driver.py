@@ -38,7 +38,7 @@ from .follow import RunState, follow
 from .monitoring import announce
 from .phases import Phases
 from .placement import Placement, cpu_affinity, nccl_settings, place
-from .preflight import measure_model
+from .preflight import compile_checked, measure_model
 from .report import write_report
 from .rundir import RunDir
 from .summary import notes, print_summary, summarize, write_loss_curve
@@ -230,6 +230,10 @@ def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, 
         except PlanError:
             pass
         raise
+    if plan.compile.enabled and spec is not None and not spec.compile_checked:
+        # Only now is the block worth tracing: planned again with what the trace found.
+        state.spec = compile_checked(cfg, spec, state.model_fn)
+        return _plan(cfg, view, run, console, left_out, state, use_gpu)
     if note:
         plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
     run.write_json("plan.json", trial.plan_record(plan, state.trial))

@@ -19,7 +19,9 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
 
     if is_builtin_gpt(cfg.model, model_fn):
         return None
-    spec = model_spec(cfg.model, model_fn, check_compile=cfg.train.compile != "false")
+    # Traced for torch.compile now only where the config asks for it (a break is then refused
+    # before anything starts); under `auto`, once a plan would compile (`compile_checked`).
+    spec = model_spec(cfg.model, model_fn, check_compile=cfg.train.compile == "true")
     if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
         _check_pipeline_contract(cfg, model_fn)
     if cfg.model.hf_weights:
@@ -50,3 +52,18 @@ def _check_weights(cfg: JobConfig, model_fn: Callable[..., Any] | None) -> None:
     from ..runtime.materialize import build_on_meta
 
     check_weights(build_on_meta(cfg.model, model_fn), cfg.model.hf_weights)
+
+
+def compile_checked(cfg: JobConfig, spec: ModelSpec | None,
+                    model_fn: Callable[..., Any] | None = None) -> ModelSpec | None:
+    """`spec` with its block traced for torch.compile where it was not yet: what a caller does
+    once a plan would compile, then plans again (a block that breaks the graph then runs eager,
+    or is refused under train.compile=true). The trace imports dynamo, seconds a plan that never
+    compiles should not spend."""
+    from dataclasses import replace
+
+    from ..workloads.compile_check import graph_break
+
+    if spec is None or spec.compile_checked:
+        return spec
+    return replace(spec, graph_break=graph_break(cfg.model, model_fn), compile_checked=True)

@@ -77,7 +77,10 @@ class ModelSpec:
     forward (again under full recomputation). 0: unknown, priced as the GPT's two."""
     graph_break: str | None = None
     """Where the block's forward first breaks `torch.compile`'s graph (the reason and the source
-    line); None where it compiles as one graph, or where it was not checked (train.compile=false)."""
+    line); None where it compiles as one graph or was not checked."""
+    compile_checked: bool = False
+    """Whether the block was traced for `graph_break` (`workloads/compile_check.py`): done
+    before planning under train.compile=true, else only once a plan would compile."""
 
     def __post_init__(self) -> None:
         for name in ("params", "blocks", "hidden", "heads", "kv_heads", "vocab", "seq"):

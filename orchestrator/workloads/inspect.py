@@ -271,7 +271,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
         tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
         tp_colwise_per_block=colwise, tp_rowwise_per_block=rowwise,
-        graph_break=graph_break(m, model_fn) if check_compile else None,
+        graph_break=graph_break(m, model_fn) if check_compile else None, compile_checked=check_compile,
     )
 
 
