@@ -128,11 +128,17 @@ def _child(mode: str, spec_path: str) -> int:
     return 0
 
 
+def _started(log: Path) -> float:
+    """When `_launch` started the command whose output is `log` (it writes that first)."""
+    return float(log.with_suffix(".start").read_text())
+
+
 def _launch(cmd: list[str], log: Path, watch: Path | None = None) -> tuple[float, float | None]:
     """Run `cmd` to the end; (launch wall time, when a metrics.jsonl under `watch` first had a line)."""
     seen = None
     with open(log, "w") as out:
         t0 = time.time()
+        log.with_suffix(".start").write_text(repr(t0))
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             if watch is not None and seen is None:
@@ -153,6 +159,7 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
     """One launch; the seconds to the first step's end and the steady tokens/s."""
     work = Path(tempfile.mkdtemp(prefix=f"{launcher}-", dir=tmp))
     log = work / "output.log"
+    exit_note = None
     if launcher.startswith("ours"):
         runs = work / "runs"
         cmd = [python(), "-m", "orchestrator", "submit", str(JOB), *job_overrides, f"monitor.runs_dir={runs}",
@@ -182,7 +189,14 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
                    me, "--child", "torchrun", "--spec", str(spec)]
         else:
             cmd = [python(), me, "--child", "ray_train", "--spec", str(spec)]
-        t0, _ = _launch(cmd, log)
+        try:
+            t0, _ = _launch(cmd, log)
+        except RuntimeError as e:
+            # A rank that aborts while the process group is torn down, after rank 0 wrote every
+            # step's time, leaves the timings whole: they are kept, and the exit is said.
+            if not result.is_file():
+                raise
+            t0, exit_note = _started(log), str(e).splitlines()[0]
         data = json.loads(result.read_text())
         ends, step_s, tokens = data["step_end"], data["step_s"], data["tokens_per_step"]
         first, overhead, compile_s = ends[0] if ends else None, None, None
@@ -192,7 +206,8 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
     return {"launcher": launcher, "first_step_s": first - t0, "steps": len(step_s),
             "step_s": steady_mean(step_s), "wall_step_s": wall, "tokens_per_s": tokens / wall,
             "in_step_tokens_per_s": tokens / steady_mean(step_s), "loop_overhead_s_per_step": overhead,
-            "compile_s": compile_s, "wall_s": ends[-1] - t0 if ends else None}
+            "compile_s": compile_s, "wall_s": ends[-1] - t0 if ends else None,
+            **({"exit": exit_note} if exit_note else {})}
 
 
 def steady_interval(ends: list[float]) -> float:

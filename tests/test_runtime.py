@@ -356,3 +356,29 @@ def test_elastic_max_workers_caps_the_world(cluster, tmp_path):
     _, summary, _ = _run(tmp_path, "cluster.num_workers=2", "elastic.max_workers=1", "train.max_steps=2",
                          "train.eval_interval=2")
     assert summary["world_size"] == 1
+
+
+def test_the_private_clusters_workers_run_at_normal_priority(cluster):
+    """Ray starts workers at niceness 15; in our own cluster the workers are the training, and a
+    step that yields to every Ray daemon on a busy host stalls every rank at the next collective."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+    assert ray.get(niceness.remote()) == 0
+
+
+def test_a_rank_started_below_normal_priority_restores_it_or_says_why():
+    import subprocess
+    import sys
+
+    code = ("import os; from orchestrator.runtime.worker import _normal_priority; "
+            "print(repr(_normal_priority())); print(os.getpriority(os.PRIO_PROCESS, 0))")
+    out = subprocess.run(["nice", "-n", "15", sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout.splitlines()
+    if os.geteuid() == 0:  # root may lower its niceness
+        assert out == ["None", "0"]
+    else:
+        assert "runs at niceness 15" in out[0] and "RAY_worker_niceness=0" in out[0] and out[1] == "15"

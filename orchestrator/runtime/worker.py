@@ -80,6 +80,22 @@ def _bind_cpus(cpu_affinity: str, rank: int) -> list[str]:
     return []
 
 
+def _normal_priority() -> str | None:
+    """Run this rank at niceness 0, where Ray started it lower (its default for workers is 15):
+    a training process that yields to every daemon on its host loses steps to them, and every
+    other rank waits for it at the next collective. None when done; else why not, in one
+    sentence (lowering niceness needs CAP_SYS_NICE, which a cluster may not grant)."""
+    was = os.getpriority(os.PRIO_PROCESS, 0)
+    if was <= 0:
+        return None
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        return (f"this rank runs at niceness {was} (the cluster's worker_niceness) and may not lower it: Ray's own "
+                f"processes take the CPU first on a busy host (start the nodes with RAY_worker_niceness=0)")
+    return None
+
+
 @dataclass(frozen=True)
 class MemoryUse:
     """What one rank's process held over its run, reported in its final answer (summary.json)."""
@@ -197,6 +213,7 @@ class Worker:
         self.world = world
         self.cpu_slot = cpu_slot
         torch.set_num_threads(max(1, threads))
+        self.niceness_note = _normal_priority()
         self.trainer = None
         # Held while the process group is torn down: an abort from the control thread racing a
         # `leave` on the main one leaves torch's group registry half cleared, and the next
@@ -238,7 +255,7 @@ class Worker:
 
         if rank is not None:
             self.rank = rank
-        notes = []
+        notes = [self.niceness_note] if self.niceness_note else []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
         gpus = [int(g) for g in ray.get_gpu_ids()]
