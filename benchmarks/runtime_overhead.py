@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{DRIVER_POLL_S} s: up to {DRIVER_POLL_S} s of its launch figure is that polling"]}
     med, rat = result["median"], result["ratios"]
     print_table(
-        f"DDP on {WORLD} CPU workers, {steps} steps, median of {repeats} launch(es) each",
+        f"{plan['strategy']} on {WORLD} CPU workers, {steps} steps, median of {repeats} launch(es) each",
         ["launcher", "launch to first step s", "tokens/s (steady, wall)", "tokens/s (in-step)",
          "ours / this: tokens/s", "ours / this: first step"],
         [[name, med[name]["first_step_s"], med[name]["tokens_per_s"], med[name].get("in_step_tokens_per_s"),

@@ -57,6 +57,8 @@ def test_launcher_config_passes_ray_validation(name):
     for commands in (prepared["head_start_ray_commands"], prepared["worker_start_ray_commands"]):
         start = next(c for c in commands if "ray start" in c)
         assert LABELS_CMD in start and "--metrics-export-port=8080" in start and "RAY_AUTH_MODE=token" in start
+        # Workers at normal priority: Ray's default niceness 15 lets every daemon preempt a step.
+        assert start.index("RAY_worker_niceness=0") < start.index("ray start")
     if efa_cards:
         nics = node_config["NetworkInterfaces"]
         assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(efa_cards)), \
@@ -109,6 +111,7 @@ def test_kuberay_manifest_fields(name):
         assert '--labels "$(python -m orchestrator node-labels)"' in container["args"][0]
         env = {e["name"]: e for e in container["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_worker_niceness"]["value"] == "0"
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "orchestrator-ray-token"
     for g in groups:
         res = g["template"]["spec"]["containers"][0]["resources"]
