@@ -51,7 +51,8 @@ def connect(
         # Ray starts workers at niceness 15 so its own processes win the CPU; in a private
         # cluster the workers are the training itself, and on a host whose cores they keep busy
         # every wake-up of the raylet, the GCS or an agent then stalls a step and, through the
-        # next collective, every rank (3.8% of a zero3 step on this project's 2-core machine).
+        # next collective, every rank (1.8% of a zero3 step on this project's 2-core machine, over 4
+        # alternating pairs of runs).
         kwargs.update(address="local", num_cpus=cpus, _system_config={"worker_niceness": 0})
         # Our private cluster keeps Ray's token authentication on; its notice that it is on
         # speaks to people who started a cluster themselves.
