@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
         # Deferred: measuring a model imports torch, which planning the built-in GPT never needs.
         from ..workloads.inspect import model_spec
 
-        spec = model_spec(cfg.model, check_compile=cfg.train.compile == "true")
+        spec = model_spec(cfg.model)
     plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
-    if plan.compile.enabled and spec is not None and not spec.compile_checked:
+    if spec is not None and not spec.compile_checked and (plan.compile.enabled or cfg.train.compile == "true"):
         from ..control.preflight import compile_checked
 
         # Traced only once the plan would compile: planned again with what the trace found.

@@ -19,9 +19,11 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
 
     if is_builtin_gpt(cfg.model, model_fn):
         return None
-    # Traced for torch.compile now only where the config asks for it (a break is then refused
-    # before anything starts); under `auto`, once a plan would compile (`compile_checked`).
-    spec = model_spec(cfg.model, model_fn, check_compile=cfg.train.compile == "true")
+    spec = model_spec(cfg.model, model_fn)
+    if cfg.train.compile == "true":
+        # Traced now, so a break is refused before anything starts; under `auto` only once a
+        # plan would compile (`compile_checked`, called by the driver).
+        spec = compile_checked(cfg, spec, model_fn)
     if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
         _check_pipeline_contract(cfg, model_fn)
     if cfg.model.hf_weights:

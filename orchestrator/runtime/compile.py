@@ -19,12 +19,10 @@ import torch.nn as nn
 from orchestrator.workloads.models import block_slots
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Compile every repeated block of `model` in place; returns how many."""
-    slots = block_slots(model)
-    for blocks, key in slots:
+def compile_blocks(model: nn.Module) -> None:
+    """Compile every repeated block of `model` in place."""
+    for blocks, key in block_slots(model):
         blocks[key].compile(fullgraph=True)
-    return len(slots)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..planning.model_math import RECOMPUTE_MODES
 from ..planning.model_spec import ModelSpec
-from .compile_check import graph_break
 from .models import (
     apply_recompute,
     block_list,
@@ -189,12 +188,10 @@ def _tp_activation_fraction(model: nn.Module, seq: int, plan: dict[str, str] | N
     return min(1.0, max(0.0, 2 * (whole - half) / block))
 
 
-def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab_needed: int = 256,
-               check_compile: bool = False) -> ModelSpec:
+def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab_needed: int = 256) -> ModelSpec:
     """The measured spec of the model `m` names (or `model_fn` builds) at sequence length
     `m.block_size`; ConfigError, naming the key, when the model breaks the contract or its
-    vocabulary is smaller than the data's `vocab_needed` tokens. `check_compile` also traces the
-    block with torch.compile (`compile_check`) and records its first graph break."""
+    vocabulary is smaller than the data's `vocab_needed` tokens."""
     name = "python callable" if model_fn is not None else factory_name(m)
     with torch.device("meta"):
         model = build_model(m, model_fn)
@@ -271,7 +268,6 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
         tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
         tp_colwise_per_block=colwise, tp_rowwise_per_block=rowwise,
-        graph_break=graph_break(m, model_fn) if check_compile else None, compile_checked=check_compile,
     )
 
 
