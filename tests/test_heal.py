@@ -45,6 +45,14 @@ def test_the_whole_world_restarts_and_says_why(alive, failure, keep, why):
     assert why in heal.precheck(_placement(4), failure, keep_survivors=keep)
 
 
+def test_a_node_ray_reports_gone_only_later_is_named_as_the_cause(alive):
+    """Ray says a node is gone seconds after its ranks die: a recovery that fails again asks
+    again, and names the node rather than the second failure."""
+    assert heal.gone_node(_failure([1], ["b" * 56])).startswith("node bbbbbbbbbbbb is gone")
+    assert heal.gone_node(_failure([1], ["a" * 56])) is None
+    assert heal.gone_node(_failure([1])) is None
+
+
 def test_a_clock_adds_its_parts_and_names_the_largest():
     record: dict = {}
     clock = Phases(time.time() - 5.0, record)

@@ -157,7 +157,8 @@ def _keep_survivors(cfg: JobConfig, placement: Placement, f: WorkerFailure, cons
     t = time.monotonic()
     # A restart's clock still open: this failure came before the recovered world's first step.
     again = state.phases is not None and state.phases.record is not None
-    why = (f"rank(s) {f.ranks} failed again before the recovered group's first step" if again
+    # Failing again is often the lost node Ray had not yet reported the first time: said as such.
+    why = ((heal.gone_node(f) or f"rank(s) {f.ranks} failed again before the recovered group's first step") if again
            else heal.precheck(placement, f, cfg.elastic.keep_survivors))
     replace, why = ([], why) if why else heal.leave(placement, f, cfg.elastic.leave_timeout_s)
     if why:

@@ -105,8 +105,9 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                                   + plan.compile.compile_s)
     report = LiveReport(run, lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}"))
     t_follow = time.monotonic()
+    view = ProgressView(cfg.train.max_steps, console, cfg.monitor.progress)
     try:
-        with ProgressView(cfg.train.max_steps, console, cfg.monitor.progress) as view:
+        with view:
             while True:
                 done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
                 if done:  # take whatever else finished with it, so every dead rank is seen at once
@@ -149,8 +150,21 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
         f.train_refs = refs  # the survivors' steps, which end once they leave the broken group
         raise
     finally:
+        _last_items(sink, state, run, view, cfg.monitor.log_interval)
         report.now()  # the state the attempt ended in, whatever ended it; never raises
         ray.kill(sink)
+
+
+def _last_items(sink, state: RunState, run: RunDir, view: ProgressView, every: int) -> None:
+    """Take what the ranks sent after the last drain. A world that failed or is regrown trained
+    on until its actors were gone, and the run resumes from the newest checkpoint on disk: the
+    rows up to it reached the sink with it (a checkpoint is sent with every row before it), and
+    without them metrics.jsonl would skip those steps. Never raises: the attempt's own ending
+    is what the caller acts on."""
+    try:
+        consume(ray.get(sink.drain.remote(), timeout=10), state, run, view, every)
+    except Exception:  # noqa: BLE001 - a sink that cannot answer leaves the rows it had
+        pass
 
 
 def _first_step(state: RunState, seconds: float, console: Console) -> None:

@@ -23,14 +23,22 @@ def precheck(placement, failure: WorkerFailure, keep_survivors: bool) -> str | N
         return "elastic.keep_survivors=false"
     if failure.ranks and len(failure.ranks) == world:
         return "every rank failed"
-    if failure.nodes:
-        gone = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
-        lost = sorted(set(failure.nodes) & gone)
-        if lost:
-            return f"node {lost[0][:12]} is gone: its ranks cannot be replaced on their own devices"
+    lost = gone_node(failure)
+    if lost:
+        return lost
     if failure.train_refs is None:
         return "the failure came before training (its ranks had not started their steps)"
     return None
+
+
+def gone_node(failure: WorkerFailure) -> str | None:
+    """Why the failure's ranks cannot be replaced where they ran: a node of theirs Ray knows is
+    gone (it says so seconds after the ranks die, so a caller may ask again later)."""
+    if not failure.nodes:
+        return None
+    gone = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+    lost = sorted(set(failure.nodes) & gone)
+    return f"node {lost[0][:12]} is gone: its ranks cannot be replaced on their own devices" if lost else None
 
 
 def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int], str | None]:

@@ -392,6 +392,7 @@ class Worker:
         for step in range(start, end):
             res = tr.train_step(step)
             if pending is not None:
+                outbox.flush()  # every row before a checkpoint reaches the driver before it is committed
                 self._committed(pending.commit(), pending.step, outbox)
                 pending = None
             done = step + 1  # metrics count completed optimizer steps
@@ -420,6 +421,7 @@ class Worker:
                     pending = checkpoint.save_async(checkpoint_dir, done, tr.state_dict(), meta,
                                                     cfg.checkpoint.keep_last, self.writer_group)
                 else:  # the last one: nothing left to overlap it with
+                    outbox.flush()  # as before a commit above
                     path = checkpoint.save(checkpoint_dir, done, tr.state_dict(), meta, cfg.checkpoint.keep_last)
                     self._committed(path, done, outbox)
         if pending is not None:  # end < max_steps: the run stops here, its last checkpoint still counts
