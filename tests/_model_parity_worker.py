@@ -128,7 +128,7 @@ def _case(name: str, strategy: str, mesh: Mesh) -> dict:
         loss = Trainer._loss(par.model, x[sl], y[sl])
         loss.backward()
         par.optimizer.step()
-        par.optimizer.zero_grad()
+        par.zero_grad()
         local = loss.detach().clone()
         dist.all_reduce(local)
         losses.append(float(local) / WORLD)

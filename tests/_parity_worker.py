@@ -150,8 +150,8 @@ def _train_step(par, step: torch.Tensor, case: Case, dp_rank: int, dp_world: int
     local = torch.zeros(())
     for i, (x, y) in enumerate(step):
         x, y = x[dp_rank * share:(dp_rank + 1) * share], y[dp_rank * share:(dp_rank + 1) * share]
-        ctx = par.no_sync() if i < accum - 1 else contextlib.nullcontext()
-        with ctx:
+        # The training loop's micro-step: sync on the last, zero2's weights kept gathered until it.
+        with par.micro_step(sync=i == accum - 1, last=i == accum - 1):
             with _autocast(case.autocast):
                 loss = par.model(x, y) / accum
             loss.backward()
@@ -228,7 +228,7 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
         loss, norm = _train_step(par, step, case, dp_rank, dp_world)
         losses.append(loss)
         norms.append(norm)
-        par.optimizer.zero_grad(set_to_none=True)
+        par.zero_grad()
         state = par.state_bytes()  # where the training loop reads it: after zero_grad
 
     # The replica must take the last step exactly as the trained model does.

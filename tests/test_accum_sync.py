@@ -94,10 +94,11 @@ def test_the_cost_model_prices_each_way_by_hand():
     # Reducing in bf16, the kept gradient is 2P.
     last16, _ = _both(ctx, wirings, "zero2", Mesh(dp_shard=8), compression=Compression.bf16)
     assert last16.memory.grads == 168_314_880
-    # One micro-step (8 sequences on 8 ranks) keeps nothing between micro-steps: sharded either way.
+    # One micro-step (8 sequences on 8 ranks) keeps nothing between micro-steps, and at its peak,
+    # the loss's backward, FSDP2 has made no gradient yet.
     one_ctx, _ = _priced([*SMALL, "train.global_batch_size=8"])
     one, _ = _both(one_ctx, wirings, "zero2", Mesh(dp_shard=8))
-    assert one.sync.grad_accum_steps == 1 and one.memory.grads == 42_078_720
+    assert one.sync.grad_accum_steps == 1 and one.memory.grads == 0
 
 
 def test_with_nothing_to_shard_both_ways_keep_the_same_gradient():
@@ -280,3 +281,27 @@ def test_an_elastic_run_of_a_model_no_plan_fits_says_why_not_which_worlds_it_tri
         plan_keeping_batch(load_config(None, GPT_175B), _cluster(1))
     assert str(err.value).startswith("the GPT (173.99B parameters) does not fit 8 H100 at any plan")
 
+
+
+def test_fsdp2_holds_no_gradient_while_the_loss_runs_backward_and_ddp_holds_all_of_them():
+    """Found by rehearsal (an 8B hsdp plan 22% over): FSDP2 makes its gradients in backward, so
+    with one micro-step none exist while the loss's backward holds the logits' gradients, and a
+    block's unsharded gradients only once the loss's are gone; the peak is the fuller of the two
+    moments, never the sum of both. With accumulation the earlier micro-steps' gradients are held
+    through the loss's backward. DDP's gradients are its buckets, held all step."""
+    from orchestrator.planning.memory import rank_memory
+
+    shape = ModelShape(layers=8, hidden=1024, heads=16, vocab=128_000, seq=4096, bias=False)
+    layout = byte_layout("bf16")
+    one = rank_memory("zero3", shape, 1, 8, 2, "none", layout, 0.0, micro_steps=1)
+    two = rank_memory("zero3", shape, 1, 8, 2, "none", layout, 0.0, micro_steps=2)
+    sharded = runtime_states("zero3", shape, 1, 8, layout).grads
+    # A large vocabulary: the loss's backward is the peak, before any gradient exists.
+    assert one.grads == 0 and two.grads == sharded
+    assert two.total - one.total == sharded and one.activations == two.activations
+    ddp = rank_memory("ddp", shape, 1, 8, 2, "none", layout, 25e6, micro_steps=1)
+    assert ddp.grads == runtime_states("ddp", shape, 1, 8, layout).grads > 0
+    # A small vocabulary and long blocks: the blocks' backward, with every gradient, is the peak.
+    deep = ModelShape(layers=48, hidden=1024, heads=16, vocab=512, seq=4096, bias=False)
+    blocks = rank_memory("zero3", deep, 1, 8, 2, "none", layout, 0.0, micro_steps=1)
+    assert blocks.grads == runtime_states("zero3", deep, 1, 8, layout).grads

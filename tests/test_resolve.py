@@ -338,7 +338,7 @@ def test_the_cost_and_memory_models_price_what_resolve_says_runs(strategy, mesh,
     held = None if ex.ddp_reduces else 4
     for priced_as in (strategy, ex.wrapping):
         assert est.memory == rank_memory(priced_as, shape, mesh.tp, ex.shard_group, 1, "selective", ctx.layout, bucket,
-                                         ctx.on_gpu, held_grad_bytes=held)
+                                         ctx.on_gpu, held_grad_bytes=held, micro_steps=est.sync.grad_accum_steps)
 
 
 @pytest.mark.parametrize(("strategy", "mesh"), [

@@ -13,6 +13,11 @@ recompute mode, with the runtime's own checkpointing applied. What is kept at th
 forward is the `kept` figure; on top of it backward briefly holds gradient temporaries (the
 fp32 gradients of the logits, the working set of a block) and, under full recomputation, one
 recomputed block: the `transient` figure. A rank's peak is the sum.
+
+Autocast computes matmuls and attention in 16 bits but leaves every other value in the dtype
+it arrives in (`ValueBytes`): the residual stream is fp32 where the weights are (ddp, zero1),
+CUDA runs normalisations in fp32, and each matmul that reads an fp32 value keeps a 16-bit copy
+of its own, as it keeps one of each fp32 weight.
 """
 
 from __future__ import annotations
@@ -25,6 +30,19 @@ from .model_math import RECOMPUTE_MODES, ModelShape
 GPT_REPLICATED_VALUES = 4
 """The block input, ln_1's output, the residual after attention and ln_2's output: whole on
 every tensor-parallel rank (the runtime shards the matmuls only, no sequence parallelism)."""
+GPT_LN1_READERS = 3
+"""Matmuls reading ln_1's output (q, k and v, split so tensor parallelism shards each by
+heads): where that output is fp32 under autocast, each keeps a 16-bit copy of it."""
+GPT_BLOCK_WEIGHTS = 12
+"""Matmul weights of a block in units of h*h (q, k, v and the output projection; the MLP's
+4h x h twice): what autocast keeps a 16-bit copy of when they are fp32."""
+GPT_MLP_WEIGHTS = 8
+"""The MLP's share of `GPT_BLOCK_WEIGHTS`, which selective recomputation keeps."""
+STREAM_VALUES = 2
+"""Values of the residual stream a pre-norm block keeps: its input and the sum after
+attention (each kept by the normalisation that reads it)."""
+NORMS_PER_BLOCK = 2
+"""A pre-norm block's normalisations, before attention and before the MLP."""
 GPT_ATTENTION_VALUES = 4
 """q, k, v and the attention output (which c_proj reads as its input, a view of it)."""
 GPT_MLP_VALUES = 8
@@ -50,10 +68,48 @@ class ActivationBytes:
     transient: float
     """The most backward holds at once on top of `kept` (gradient temporaries, a recomputed
     block)."""
+    in_blocks: float
+    """The most activations amount to while the blocks run backward, after the loss's backward
+    has freed its log-probabilities and their gradients: what sits beside the gradients FSDP2
+    makes there (`kept + transient` on a rank without the loss)."""
 
     @property
     def peak(self) -> float:
         return self.kept + self.transient
+
+
+@dataclass(frozen=True)
+class ValueBytes:
+    """Bytes of each kind of value a rank keeps for backward, as autocast leaves them."""
+
+    act: int
+    """A matmul's or attention's output, and a 16-bit copy a matmul makes of its input: the
+    dtype autocast computes in (4 without autocast)."""
+    stream: int
+    """The residual stream (block inputs and the sums they are added into): the dtype of the
+    weights forward computes with, fp32 under ddp and zero1 (replicated fp32 weights, cast per
+    use), FSDP2's param_dtype under zero2, zero3 and hsdp."""
+    norm_out: int
+    """A LayerNorm's output: fp32 where autocast runs normalisations in fp32 (CUDA always; on
+    CPU only an fp32 input gives an fp32 output). Where it is not `act`, each matmul reading it
+    keeps its own 16-bit copy."""
+    weight_copies: bool
+    """Whether autocast keeps a 16-bit copy of each fp32 matmul weight from forward to backward
+    (fp32 weights computed with in 16 bits: ddp and zero1 under autocast)."""
+
+    @classmethod
+    def uniform(cls, nbytes: int) -> "ValueBytes":
+        """Every value in one dtype, nothing copied: fp32 training (4), or a 16-bit model (2)."""
+        return cls(nbytes, nbytes, nbytes, False)
+
+
+def value_bytes(act: int, weights: int, on_gpu: bool) -> ValueBytes:
+    """What autocast leaves where it computes in `act` bytes a value and forward's weights have
+    `weights` bytes (4: fp32, cast per use; `act`: FSDP2 gathers them in autocast's dtype).
+    No autocast (`act` 4) keeps everything fp32."""
+    if act >= 4:
+        return ValueBytes.uniform(4)
+    return ValueBytes(act=act, stream=weights, norm_out=4 if on_gpu else weights, weight_copies=weights > act)
 
 
 def _check(recompute: str, tp: int, micro_batch: int) -> None:
@@ -65,32 +121,56 @@ def _check(recompute: str, tp: int, micro_batch: int) -> None:
         raise ValueError(f"micro-batch must be >= 1, got {micro_batch}")
 
 
-def gpt_block_bytes(shape: ModelShape, tp: int, recompute: str, bytes_per_value: int) -> float:
+def gpt_block_bytes(shape: ModelShape, tp: int, recompute: str, values: ValueBytes) -> float:
     """Bytes one block of the built-in GPT keeps for backward per sequence.
 
-    none: 4 whole values of s*h (block input, ln_1 output, post-attention residual, ln_2
-    output), 12/t sharded ones (q, k, v, attention output; c_fc and GELU outputs of width 4h),
-    the fp32 log-sum-exp per head and token, two LayerNorms' fp32 statistics. selective:
-    checkpointing the attention drops q, k, v, its output and the log-sum-exp (its input, ln_1's
-    output, is kept anyway by the checkpoint). full: the block input only.
+    none: the block input and the post-attention residual (as the LayerNorms keep them: in
+    fp32 where autocast runs them so, else in the residual stream's dtype), ln_1's output as
+    q, k and v read it (one value, or a 16-bit copy each where it is fp32) and ln_2's as c_fc
+    reads it, whole on every tensor-parallel rank; 12/t sharded values (q, k, v, attention
+    output; c_fc and GELU outputs of width 4h); the fp32 log-sum-exp per head and token; two
+    LayerNorms' fp32 statistics. selective: checkpointing the attention drops q, k, v, its output,
+    the log-sum-exp and ln_1's copies, and keeps ln_1's output itself (the checkpoint's input).
+    full: the block input only. Autocast's weight copies are per forward, not per sequence
+    (`gpt_weight_copy_bytes`).
     """
     s, h, a = shape.seq, shape.hidden, shape.heads
+    v = values
     if recompute == "full":
-        return s * h * bytes_per_value
-    values = GPT_REPLICATED_VALUES + GPT_MLP_VALUES / tp
-    lse = 0.0
-    if recompute == "none":
-        values += GPT_ATTENTION_VALUES / tp
-        lse = FP32 * a * s / tp
-    return values * s * h * bytes_per_value + lse + 2 * LAYERNORM_STATS_BYTES * s
+        return s * h * v.stream
+    ln2 = v.act  # c_fc reads it: the value itself, or the one copy it makes
+    # The block input and the post-attention residual, as the LayerNorms reading them keep
+    # them: an fp32 copy where autocast runs the norm in fp32.
+    stream = 2 * v.norm_out * s * h + 2 * LAYERNORM_STATS_BYTES * s
+    mlp = GPT_MLP_VALUES / tp * s * h * v.act
+    if recompute == "selective":
+        return stream + (v.norm_out + ln2) * s * h + mlp
+    ln1 = v.act * (GPT_LN1_READERS if v.norm_out != v.act else 1)
+    attention = GPT_ATTENTION_VALUES / tp * s * h * v.act + FP32 * a * s / tp
+    return stream + (ln1 + ln2) * s * h + attention + mlp
 
 
-def gpt_root_bytes(shape: ModelShape, bytes_per_value: int) -> float:
+def gpt_root_bytes(shape: ModelShape, values: ValueBytes) -> float:
     """Bytes kept per sequence outside the GPT's blocks: the last block's output and ln_f's
-    statistics (kept by ln_f), ln_f's output (kept by lm_head), the fp32 log-probabilities the
-    loss keeps (lm_head is replicated under tensor parallelism, so the logits are whole)."""
+    statistics (kept by ln_f, as a block's norms keep theirs), ln_f's output as lm_head reads
+    it, the fp32 log-probabilities the loss keeps (lm_head is replicated under tensor
+    parallelism, so the logits are whole)."""
     s, h = shape.seq, shape.hidden
-    return 2 * s * h * bytes_per_value + LAYERNORM_STATS_BYTES * s + FP32 * s * shape.vocab
+    return s * h * (values.norm_out + values.act) + LAYERNORM_STATS_BYTES * s + FP32 * s * shape.vocab
+
+
+def gpt_weight_copy_bytes(shape: ModelShape, tp: int, recompute: str, values: ValueBytes, blocks: int,
+                          last: bool) -> tuple[float, float]:
+    """(kept, cached) bytes of autocast's 16-bit copies of fp32 weights: those backward reads
+    (every block matmul's without recomputation, the MLP's under selective; lm_head's on the
+    last stage) live until backward; autocast's cache holds the others until forward ends.
+    One copy per forward whatever the micro-batch."""
+    if not values.weight_copies:
+        return 0.0, 0.0
+    h2 = shape.hidden * shape.hidden * values.act / tp
+    kept_units = {"none": GPT_BLOCK_WEIGHTS, "selective": GPT_MLP_WEIGHTS, "full": 0}[recompute]
+    head = shape.vocab * shape.hidden * values.act if last else 0.0
+    return blocks * kept_units * h2 + head, blocks * (GPT_BLOCK_WEIGHTS - kept_units) * h2
 
 
 def _largest_weight_gradient(shape: ModelShape, tp: int) -> float:
@@ -100,12 +180,13 @@ def _largest_weight_gradient(shape: ModelShape, tp: int) -> float:
 
 
 def activation_profile(
-    shape: ModelShape, micro_batch: int, tp: int = 1, recompute: str = "none", bytes_per_value: int = 2,
+    shape: ModelShape, micro_batch: int, tp: int = 1, recompute: str = "none", values: ValueBytes | int = 2,
     *, blocks: int | None = None, last: bool = True, in_flight: float = 1.0,
 ) -> ActivationBytes:
     """Kept and transient activation bytes of one rank for a micro-batch of `micro_batch`
-    sequences. `bytes_per_value` is the layout's activation bytes (2 under 16-bit autocast,
-    4 in fp32); log-sum-exps, LayerNorm statistics and the loss stay fp32 whatever it is.
+    sequences. `values`: what autocast leaves each kind of value (`value_bytes`), or one size
+    for all (2 for a 16-bit model, 4 in fp32); log-sum-exps, LayerNorm statistics and the loss
+    stay fp32 whatever it is.
 
     A pipeline rank holds `blocks` of the model's blocks (all of them by default), the head and
     the loss only when it is the `last` stage, and keeps what its blocks save for `in_flight`
@@ -113,24 +194,65 @@ def activation_profile(
     micro-batch's. A stage that is not the last keeps its output until the next stage sends
     its gradient back (torch's PipelineStage runs backward from it)."""
     _check(recompute, tp, micro_batch)
+    v = values if isinstance(values, ValueBytes) else ValueBytes.uniform(values)
     b = micro_batch
     nblocks = shape.layers if blocks is None else blocks
     if shape.spec is not None:
-        one = _measured(shape, b, tp, recompute, bytes_per_value, nblocks, last)
-        return ActivationBytes(kept=in_flight * one.kept, transient=one.transient)
-    block = gpt_block_bytes(shape, tp, recompute, bytes_per_value)
-    tail = gpt_root_bytes(shape, bytes_per_value) if last else shape.seq * shape.hidden * bytes_per_value
-    kept = in_flight * b * (nblocks * block + tail)
+        one = _measured(shape, b, tp, recompute, v, nblocks, last)
+        copies, cached = _measured_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
+    else:
+        one = _gpt(shape, b, tp, recompute, v, nblocks, last)
+        copies, cached = gpt_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
+    kept = in_flight * one.kept + copies
+    # The copies autocast caches but backward does not read die when forward ends, before
+    # backward's temporaries exist: whichever is larger sits on top of what is kept.
+    return ActivationBytes(kept=kept, transient=max(one.transient, cached),
+                           in_blocks=kept - one.loss_kept + one.block_transient)
+
+
+@dataclass(frozen=True)
+class _OneMicroBatch:
+    kept: float
+    transient: float
+    loss_kept: float
+    """Of `kept`, the loss's log-probabilities, freed by the loss's backward."""
+    block_transient: float
+    """What a block's backward holds on top of what is kept."""
+
+
+def _gpt(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes, blocks: int,
+         last: bool) -> _OneMicroBatch:
+    block = gpt_block_bytes(shape, tp, recompute, v)
+    tail = gpt_root_bytes(shape, v) if last else shape.seq * shape.hidden * v.stream
+    kept = b * (blocks * block + tail)
     loss = b * LOSS_GRAD_BYTES * shape.seq * shape.vocab if last else 0.0
-    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * bytes_per_value
+    # The gradients flowing down the residual stream are in its dtype.
+    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * v.stream
     if recompute == "full":
         # Backward of a block re-runs its forward: its activations (but the input, kept) live again.
-        in_block += b * (gpt_block_bytes(shape, tp, "none", bytes_per_value) - block)
-    return ActivationBytes(kept=kept, transient=max(loss, in_block) + _largest_weight_gradient(shape, tp))
+        in_block += b * (gpt_block_bytes(shape, tp, "none", v) - block)
+    in_block += _largest_weight_gradient(shape, tp)
+    loss_kept = b * FP32 * shape.seq * shape.vocab if last else 0.0
+    return _OneMicroBatch(kept, max(loss + _largest_weight_gradient(shape, tp), in_block), loss_kept, in_block)
 
 
-def _measured(shape: ModelShape, b: int, tp: int, recompute: str, bytes_per_value: int, blocks: int,
-              last: bool) -> ActivationBytes:
+def _measured_weight_copy_bytes(shape: ModelShape, tp: int, recompute: str, v: ValueBytes, blocks: int,
+                                last: bool) -> tuple[float, float]:
+    """`gpt_weight_copy_bytes` for a measured model: its block parameters (matmul weights,
+    nearly all, sharded by tensor parallelism), the MLP's share kept under selective
+    recomputation taken as the GPT's, and the output head's vocab x hidden."""
+    spec = shape.spec
+    assert spec is not None
+    if not v.weight_copies:
+        return 0.0, 0.0
+    block = spec.block_params / tp * v.act
+    share = {"none": 1.0, "selective": GPT_MLP_WEIGHTS / GPT_BLOCK_WEIGHTS, "full": 0.0}[recompute]
+    head = shape.vocab * shape.hidden * v.act if last else 0.0
+    return blocks * share * block + head, blocks * (1 - share) * block
+
+
+def _measured(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes, blocks: int,
+              last: bool) -> _OneMicroBatch:
     """A measured model: its fp32 bytes per sequence scaled to the micro-batch and the
     activation dtype; tensor parallelism divides the part of a block the measurement found
     split (the GPT's 12 of 16 values where it could not tell). The part kept outside the
@@ -139,7 +261,7 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, bytes_per_valu
     loss's own bytes stay fp32 under autocast (`Trainer._loss` upcasts the logits)."""
     spec = shape.spec
     assert spec is not None
-    scale = b * bytes_per_value / FP32
+    scale = b * v.act / FP32
     block = spec.block_activation_bytes[recompute]
     if tp > 1 and recompute != "full":  # without sequence parallelism the block input stays whole
         split = spec.tp_sharded_activation_fraction
@@ -154,12 +276,25 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, bytes_per_valu
     loss_kept = min(root, FP32 * shape.seq * shape.vocab) if last else 0.0
     loss_grad = min(transient, LOSS_GRAD_BYTES * shape.seq * shape.vocab) if last else 0.0
     kept = scale * (blocks * block + root - loss_kept) + b * loss_kept
+    # Measured in fp32 and scaled: the values autocast leaves in another dtype are set right.
+    sh = shape.seq * shape.hidden
+    if recompute == "full":
+        fix = sh * (v.stream - v.act)  # the block input, all a checkpointed block keeps
+    else:
+        fix = STREAM_VALUES * sh * (v.norm_out - v.act)  # as the norms reading them keep them
+        if recompute == "none" and v.norm_out != v.act and spec.tp_colwise_per_block:
+            # Each matmul reading an fp32 norm output keeps its own 16-bit copy; the measurement
+            # kept the output once. The column-parallel Linears are those readers (q, k, v and
+            # the MLP's input projections), a plan that names none is taken to have one per norm.
+            fix += (spec.tp_colwise_per_block - NORMS_PER_BLOCK) * sh * v.act
+    kept += b * (blocks * fix + (sh * (v.norm_out - v.act) if last else 0.0))
     # A block's own backward was not measured apart from the loss's: the GPT's count of it, with
     # the measured block re-run under full recomputation (what a stage without the loss holds).
-    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * bytes_per_value
+    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * v.act
     if recompute == "full":
         in_block += scale * (spec.block_activation_bytes["none"] - spec.block_activation_bytes["full"])
+    in_block += _largest_weight_gradient(shape, tp)
     if not last:
         # No loss on this stage: the measured transient (the loss's, mostly) does not arise here.
-        return ActivationBytes(kept=kept, transient=in_block + _largest_weight_gradient(shape, tp))
-    return ActivationBytes(kept=kept, transient=scale * (transient - loss_grad) + b * loss_grad)
+        return _OneMicroBatch(kept, in_block, 0.0, in_block)
+    return _OneMicroBatch(kept, scale * (transient - loss_grad) + b * loss_grad, b * loss_kept, in_block)

@@ -160,6 +160,15 @@ def held_grad_bytes(ex: Execution, layout: ByteLayout, accum: int) -> int | None
     return min(2, layout.grads) if ex.compression in (Compression.fp16, Compression.bf16) else layout.grads
 
 
+def tp_all_reduces_per_micro_batch(shape: ModelShape, recompute: Recompute | str) -> int:
+    """Activation all-reduces of one tensor-parallel block and micro-batch: forward's and
+    backward's (`tp_all_reduces_per_block`), and under full recomputation forward's again but the
+    last: torch's checkpoint stops re-running the block once backward has every tensor it saved,
+    and the block's final row-parallel Linear (the MLP's output) saved nothing backward reads."""
+    fwd, bwd = tp_all_reduces_per_block(shape)
+    return fwd + bwd + (max(0, fwd - 1) if str(recompute) == "full" else 0)
+
+
 def tp_all_reduces_per_block(shape: ModelShape) -> tuple[int, int]:
     """(forward, backward) activation all-reduces of one tensor-parallel block: one per
     row-parallel Linear's output forward, one per column-parallel Linear's input gradient
@@ -217,9 +226,9 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
     compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
     bubble_s = mm * pl.bubble if pl else 0.0
 
-    # Tensor parallelism: all-reduces of a block's activations, forward and backward
-    # (`tp_all_reduces_per_block`), forward's again when full recomputation runs it twice
-    # (reduce-scatter + all-gather pairs under sequence parallelism move the same bytes).
+    # Tensor parallelism: all-reduces of a block's activations, forward and backward, and
+    # forward's again but the last under full recomputation (`tp_all_reduces_per_micro_batch`;
+    # reduce-scatter + all-gather pairs under sequence parallelism move the same bytes).
     # Nothing hides them.
     parts: dict[str, float] = {}
     if tp > 1:
@@ -229,8 +238,7 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
             per_ar, _ = all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us)
         else:
             per_ar = gloo_all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us, ctx.speed.mem_gbps)
-        fwd_ar, bwd_ar = tp_all_reduces_per_block(shape)
-        n = fwd_ar + bwd_ar + (fwd_ar if c.recompute == "full" else 0)
+        n = tp_all_reduces_per_micro_batch(shape, c.recompute)
         parts["tp"] = accum * blocks * n * per_ar * (1 + (pl.bubble if pl else 0.0))
     if pl:
         # Each micro-batch's activation crosses every chunk boundary forward and its gradient
@@ -386,14 +394,14 @@ def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float,
             ctx.on_gpu)
     pl = ex.pipeline
     if pl is None:
-        return rank_memory(*args, held_grad_bytes=held)
+        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, c))
     # Activations in flight fall with the stage index and blocks differ by at most one between
     # middle stages, so the fullest rank is the first, the second, the last, or the first middle
     # stage with the most blocks.
     middle = range(1, pl.stages - 1)
     most = max(middle, key=lambda s: stage_share(ctx.shape, pl, s).blocks, default=0)
     return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s), in_flight=pl.in_flight(s),
-                            held_grad_bytes=held)
+                            held_grad_bytes=held, micro_steps=pl.microbatches)
                 for s in sorted({0, min(1, pl.stages - 1), most, pl.stages - 1})), key=lambda m: m.total)
 
 

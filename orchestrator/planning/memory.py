@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..choices import Precision, Strategy
-from .activations import activation_profile
+from .activations import ValueBytes, activation_profile, value_bytes
 from .model_math import ModelShape, root_params, tp_param_split
 from .pipeline import StageShare
 from .resolve import resolve_precision, wrapping_of
@@ -91,7 +91,8 @@ class MemoryBreakdown:
     params: int
     """Weights the rank keeps (its shard, or all of them)."""
     grads: int
-    """Gradients the rank keeps."""
+    """Gradients the rank holds at its peak (FSDP2 makes them in backward: none at the loss's
+    backward without accumulation)."""
     optimizer: int
     """Optimizer state (Adam moments, master weights) the rank keeps."""
     activations: int
@@ -203,18 +204,27 @@ def buffer_bytes(
     on_gpu: bool, share: StageShare | None = None,
 ) -> float:
     """Transient buffers: two gradient buckets in flight for DDP-style reduction, or FSDP2's
-    gathered weights and unsharded gradients (`runtime_states`); the tensor-parallel gather of
-    one block input; the GPU libraries' workspaces."""
+    gathered weights and unsharded gradients (`runtime_states`); a pipeline stage's receive
+    buffers, one per micro-batch and boundary (`StageShare.recv_buffers`); the tensor-parallel
+    gather of one block input; the GPU libraries' workspaces."""
     if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
         comm = 2 * bucket_bytes
     else:
         st = runtime_states(strategy, shape, tp, shard, layout, share)
         comm = st.gathered + st.unsharded_grads
-    if share is not None and not (share.first and share.last):
-        comm += 2 * micro_batch * shape.seq * shape.hidden * layout.activation  # a received and a sent activation
+    if share is not None:
+        comm += share.recv_buffers * micro_batch * shape.seq * shape.hidden * layout.activation
     if tp > 1:
         comm += micro_batch * shape.seq * shape.hidden * layout.activation
     return comm + (GPU_WORKSPACE_BYTES if on_gpu else 0)
+
+
+def forward_values(strategy: str, tp: int, layout: ByteLayout, on_gpu: bool) -> ValueBytes:
+    """What autocast leaves each kind of value under the runtime's wrapping: ddp and zero1
+    compute with the fp32 weights they replicate (autocast casts them per use), FSDP2 gathers
+    them in autocast's dtype."""
+    replicated = wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1)
+    return value_bytes(layout.activation, layout.weights if replicated else layout.compute, on_gpu)
 
 
 def rank_memory(
@@ -230,6 +240,7 @@ def rank_memory(
     share: StageShare | None = None,
     in_flight: float = 1.0,
     held_grad_bytes: int | None = None,
+    micro_steps: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
     micro-batch's activations, transient buffers.
@@ -242,18 +253,31 @@ def rank_memory(
     A pipeline rank (`share`) keeps its own blocks' activations for `in_flight` micro-batches
     (`Pipeline.in_flight`: up to p on the first stage under 1F1B); the head's logits and the
     loss sit on the last stage. `held_grad_bytes`: FSDP2's unsharded gradients kept between
-    micro-steps (`runtime_states`).
+    micro-steps (`runtime_states`). `micro_steps`: the micro-batches a rank runs a step (the
+    accumulation steps, or a pipeline's micro-batches): past the first, the gradients of the
+    earlier ones are held while the loss's backward runs.
     """
     st = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
     w, g, k = st.params, st.grads, st.optimizer
+    values = forward_values(strategy, tp, layout, on_gpu)
     if share is None:
-        profile = activation_profile(shape, micro_batch, tp, recompute, layout.activation)
+        profile = activation_profile(shape, micro_batch, tp, recompute, values)
     else:
-        profile = activation_profile(shape, micro_batch, tp, recompute, layout.activation, blocks=share.blocks,
+        profile = activation_profile(shape, micro_batch, tp, recompute, values, blocks=share.blocks,
                                      last=share.last, in_flight=in_flight)
-    act = profile.peak
     buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
-    parts = [int(round(x)) for x in (w, g, k, act, buf)]
+    # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step long:
+    # one peak, the largest activations beside them all.
+    phases = [(g, profile.peak, buf)]
+    if wrapping_of(strategy, tp) not in (Strategy.ddp, Strategy.zero1):
+        # FSDP2 makes its gradients in backward: none exist when the loss's backward holds the
+        # logits' gradients (the first micro-step's, and the only one's without accumulation),
+        # and a block's unsharded gradients only once the blocks run backward, when those
+        # logits are gone. Two moments, and the fuller is the peak.
+        at_loss = g if micro_steps > 1 else 0.0
+        phases = [(at_loss, profile.peak, buf - st.unsharded_grads), (g, profile.in_blocks, buf)]
+    grads, act, buffers = max(phases, key=sum)
+    parts = [int(round(x)) for x in (w, grads, k, act, buffers)]
     return MemoryBreakdown(*parts, total=sum(parts))
 
 

@@ -184,6 +184,10 @@ class StageShare:
     LayerNorm and the head on the last (the tied head a copy of wte when p > 1)."""
     first: bool
     last: bool
+    recv_buffers: int = 0
+    """Receive buffers of one micro-batch's boundary activation the rank's stages hold all run
+    long: torch's PipelineStage allocates one per micro-batch, up front, for the activation
+    into every chunk but the first and for the gradient into every chunk but the last."""
 
 
 @lru_cache(maxsize=65536)
@@ -195,10 +199,12 @@ def stage_share(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> Sta
         return StageShare(shape.layers, (shape.vocab + shape.seq) * h + norm, True, True)
     if not 0 <= stage < pipeline.stages:
         raise ValueError(f"stage must be in [0, {pipeline.stages}), got {stage}")
-    blocks = sum(pipeline.layers[c] for c in pipeline.chunks_of(stage))
+    chunks = pipeline.chunks_of(stage)
+    blocks = sum(pipeline.layers[c] for c in chunks)
     first, last = stage == 0, stage == (pipeline.chunks - 1) % pipeline.stages
     root = (shape.vocab + shape.seq) * h * first + (norm + shape.vocab * h) * last
-    return StageShare(blocks, root, first, last)
+    boundaries = sum((c > 0) + (c < pipeline.chunks - 1) for c in chunks)
+    return StageShare(blocks, root, first, last, recv_buffers=boundaries * pipeline.microbatches)
 
 
 def stage_cost(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> float:

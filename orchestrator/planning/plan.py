@@ -26,7 +26,7 @@ from .mesh import Mesh, RankPlacement
 from .model_math import ModelShape, flops_per_step, forward_flops_per_token_layers, model_flops_per_step, param_count
 from .model_spec import ModelSpec
 from .nics import assign_nics
-from .pipeline import Pipeline
+from .pipeline import Pipeline, stage_share
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, asks_for_ddp_hooks, search
 from .sync import SyncPlan, powersgd_ratio
@@ -456,6 +456,12 @@ def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: Cluste
     lines = [f"pipeline: {pl.schedule}, {pl.stages} stages x {pl.virtual} chunk(s) per rank, {pl.microbatches} "
              f"micro-batches; bubble {pl.bubble:.1%} of busy time ({e.bubble_s * 1e3:.2f} ms); point-to-point "
              f"{e.comm_parts.get('pipeline p2p', 0.0) * 1e3:.2f} ms per step between adjacent stages over {link}"]
+    # torch's stages allocate a receive buffer per micro-batch and boundary up front: with many
+    # micro-batches they, not the model, can be what does not fit.
+    most = max(stage_share(ctx.shape, pl, s).recv_buffers for s in range(pl.stages))
+    one = e.choice.micro_batch * ctx.shape.seq * ctx.shape.hidden * ctx.layout.activation
+    lines.append(f"receive buffers: up to {most} per rank, one per micro-batch for each activation and gradient a "
+                 f"stage receives, held by torch's stages all run long: {_gb(most * one)}")
     # The built-in GPT (no measured spec) ties its head to the embedding; a measured spec says.
     tied = ties_head(ctx.shape)
     head = "head (tied copy of the embedding)" if tied else "head"

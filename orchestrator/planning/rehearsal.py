@@ -34,7 +34,8 @@ def predicted_peak_bytes(ctx: JobContext, plan: Plan, rank: int) -> int:
     stage = stage_of(plan, rank)
     extra = {"share": stage_share(ctx.shape, pl, stage), "in_flight": pl.in_flight(stage)} if pl else {}
     m = rank_memory(wrapping, ctx.shape, plan.mesh.tp, ex.shard_group, plan.micro_batch_size, plan.recompute,
-                    ctx.layout, bucket, ctx.on_gpu, held_grad_bytes=held, **extra)
+                    ctx.layout, bucket, ctx.on_gpu, held_grad_bytes=held,
+                    micro_steps=pl.microbatches if pl else plan.sync.grad_accum_steps, **extra)
     return m.total - (GPU_WORKSPACE_BYTES if ctx.on_gpu else 0)
 
 

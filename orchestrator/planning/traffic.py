@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..choices import Strategy
-from .cost import JobContext, ties_head, tp_all_reduces_per_block
+from .cost import JobContext, ties_head, tp_all_reduces_per_micro_batch
 from .memory import params_per_tp_rank
 from .model_math import root_params
 from .pipeline import stage_share
@@ -76,9 +76,7 @@ def predicted_traffic(ctx: JobContext, plan: Plan, rank: int = 0) -> tuple[Traff
         entry[1] += nbytes
 
     if tp > 1:
-        fwd, bwd = tp_all_reduces_per_block(shape)
-        n = fwd + bwd + (fwd if str(plan.recompute) == "full" else 0)
-        calls = accum * blocks * n
+        calls = accum * blocks * tp_all_reduces_per_micro_batch(shape, plan.recompute)
         add("all_reduce", "tp", calls, calls * act)
     if pl:
         # Each micro-batch crosses every chunk boundary: forward its activation, backward its

@@ -164,6 +164,9 @@ class Parallelized:
     """What was done differently from the plan, and why (one sentence each)."""
     hierarchy: HierarchicalAllReduce | None = None
     """The hierarchical gradient all-reduce DDP runs (its groups, buckets reduced); None when flat."""
+    keeps_gathered: bool = False
+    """FSDP2 that keeps each unit's gathered weights from forward to backward (zero2): it keeps
+    them across the micro-steps of a step too (`micro_step`)."""
     _synced_once: bool = field(default=False, init=False, repr=False)
     """Whether DDP has run a forward with gradient sync on (its graph-recording iteration)."""
     _grad_bytes_at_step: int = field(default=0, init=False, repr=False)
@@ -183,6 +186,25 @@ class Parallelized:
     def _note_sync(self, module: DistributedDataParallel, _args: object) -> None:
         if module.require_backward_grad_sync:
             self._synced_once = True
+
+    def zero_grad(self) -> None:
+        """Zero the gradients between steps. DDP's are views of its buckets (see `parallelize`):
+        zeroed in place, so accumulation keeps adding into the buckets; FSDP2's are dropped, as
+        its sharded gradients are made anew by each reduce-scatter."""
+        self.optimizer.zero_grad(set_to_none=not isinstance(self.model, DistributedDataParallel))
+
+    @contextlib.contextmanager
+    def micro_step(self, sync: bool, last: bool) -> Iterator[None]:
+        """One micro-step's forward and backward: gradients reduced if `sync`; and where FSDP2
+        keeps gathered weights to backward (zero2), kept past backward until the `last`
+        micro-step of the step, as torch's pipeline stages do, so that every micro-step after
+        the first gathers nothing (zero2 holds them all at the start of backward anyway)."""
+        if self.keeps_gathered:
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_reshard_after_backward(last, recurse=False)
+        with contextlib.nullcontext() if sync else self.no_sync():
+            yield
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Skip gradient synchronisation (use for all but the last micro-batch of an accumulation)."""
@@ -323,6 +345,13 @@ def parallelize(
             # DDP replicates whole weights: they exist before it wraps (it broadcasts rank 0's).
             materialize(model)
         group = _dp_mesh(mesh).get_group()
+        # Gradients that exist when DDP wraps become views of its buckets for good (it copies
+        # them in), and `Parallelized.zero_grad` keeps them: micro-steps under no_sync then
+        # accumulate into the buckets. Left to autograd, the first no_sync backward allocates
+        # gradients of its own beside the buckets, a second copy of every gradient at the peak.
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
         ddp = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
@@ -350,4 +379,4 @@ def parallelize(
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     if on_meta:
         materialize(model)  # sharded now: each rank allocates its own shards only
-    return Parallelized(model, make_optimizer(model), notes)
+    return Parallelized(model, make_optimizer(model), notes, keeps_gathered=not ex.reshard_after_forward)

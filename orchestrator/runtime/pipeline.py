@@ -247,6 +247,10 @@ class Pipelined:
         clip_grads_with_norm(params, max_norm, total)
         return total
 
+    def zero_grad(self) -> None:
+        for p in self.parts:
+            p.zero_grad()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield

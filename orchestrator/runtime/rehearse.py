@@ -29,7 +29,7 @@ from ..config import JobConfig
 from ..errors import ConfigError
 from ..planning import Plan
 from ..planning.compile import EAGER
-from .rehearse_fake import SENT_META, fake_safe_runtime, forget_world, peak_tracker
+from .rehearse_fake import SENT_META, cuda_autocast_norms, fake_safe_runtime, forget_world, peak_tracker
 from .rehearse_record import AxisNames, Collective, CollectiveRecorder
 
 REHEARSAL_DEVICE = torch.device("cpu")
@@ -97,8 +97,8 @@ def _rehearsal_config(cfg: JobConfig, plan: Plan) -> tuple[JobConfig, list[str]]
     run.train.precision = type(cfg.train.precision)(str(autocast) if autocast else "fp32")
     notes = []
     if plan.execution.device == "gpu":
-        notes.append("rehearsed on a fake CPU device with the plan's autocast: torch's CPU autocast lists "
-                     "stand in for CUDA's")
+        notes.append("rehearsed on a fake CPU device with the plan's autocast: CPU autocast's lists, with "
+                     "normalisations in fp32 as CUDA's runs them, stand in for CUDA's")
     return run, notes
 
 
@@ -137,20 +137,22 @@ def _step(trainer: Any, step: int) -> None:
         par.clip_grad_norm_(t.grad_clip)
     # GradScaler.step reads the inf check's value; with no value to read, step as when finite.
     par.optimizer.step()
-    par.optimizer.zero_grad(set_to_none=True)
+    par.zero_grad()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)  # `_global_mean`'s reduction, less its .item()
 
 
-def _prime_optimizer(optimizer: Any) -> None:
+def _prime_optimizer(par: Any) -> None:
     """Create the optimizer's state as a first step does (a step over zero gradients), so the
-    rehearsed step is the steady state: its forward and backward run beside the moments."""
-    optimizers = getattr(optimizer, "optimizers", [optimizer])  # a pipeline rank's chunks
+    rehearsed step is the steady state: its forward and backward run beside the moments.
+    Gradients that exist already (DDP's bucket views) are stepped as they are."""
+    optimizers = getattr(par.optimizer, "optimizers", [par.optimizer])  # a pipeline rank's chunks
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                p.grad = torch.zeros_like(p)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+    par.zero_grad()
 
 
 def rehearse_rank(cfg: JobConfig, plan: Plan, rank: int, vocab: int | None = None,
@@ -181,7 +183,8 @@ def rehearse_rank(cfg: JobConfig, plan: Plan, rank: int, vocab: int | None = Non
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
-        with fake_safe_runtime(), fake, warnings.catch_warnings():
+        norms = cuda_autocast_norms() if plan.execution.device == "gpu" else contextlib.nullcontext()
+        with fake_safe_runtime(), fake, norms, warnings.catch_warnings():
             # The runtime's storage bookkeeping reads data pointers, which fake storages lack.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             try:
@@ -197,7 +200,7 @@ def rehearse_rank(cfg: JobConfig, plan: Plan, rank: int, vocab: int | None = Non
                         # once per run, so a first step runs unmeasured.
                         _step(trainer, 0)
                     else:
-                        _prime_optimizer(trainer.par.optimizer)
+                        _prime_optimizer(trainer.par)
                 recorder.recording = True
                 with tracker, recorder:
                     _step(trainer, 0)

@@ -17,6 +17,35 @@ PROPAGATING: list[bool] = [False]
 """Whether DTensor is computing an op's output metadata (see `peak_tracker`)."""
 
 
+CUDA_FP32_NORMS = ("layer_norm", "rms_norm")
+"""Normalisations on CUDA autocast's fp32 list that CPU autocast leaves in their input's dtype
+(`ATen/autocast_mode.h`): the only ops of either list whose difference changes what a
+transformer keeps for backward (an fp32 norm output is copied to 16 bits by every matmul
+reading it)."""
+
+
+@contextlib.contextmanager
+def cuda_autocast_norms() -> Iterator[None]:
+    """While open, CPU autocast runs `CUDA_FP32_NORMS` in fp32 as CUDA's does: a rehearsal of a
+    GPU plan, which runs on a CPU device, keeps what the GPU would. The kernels are registered
+    for this scope only (a `torch.library` scope, unregistered when it closes)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def to_fp32(value: Any) -> Any:
+        return value.float() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    def in_fp32(op: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch._C._ExcludeDispatchKeyGuard(keys):  # CUDA's cast_policy::fp32
+                return op(*map(to_fp32, args), **{k: to_fp32(v) for k, v in kwargs.items()})
+        return run
+
+    with torch.library._scoped_library("aten", "IMPL") as lib:
+        for name in CUDA_FP32_NORMS:
+            lib.impl(name, in_fp32(getattr(torch.ops.aten, name).default), "AutocastCPU")
+        yield
+
+
 def peak_tracker() -> Any:
     """torch's MemTracker counting every storage, with two differences.
 

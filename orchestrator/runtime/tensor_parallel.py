@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -52,7 +53,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         targets[name] = mod
     if not targets:
         raise PlanError(f"the tensor-parallel plan of {type(model).__name__} names no module of it")
+    for name, mod in targets.items():
+        if plan_kind(plan, name) == "colwise":
+            # Before the style's own hook, which makes the input a replicated DTensor: its
+            # gradient is all-reduced in the dtype the input has there.
+            mod.register_forward_pre_hook(_to_autocast_dtype, prepend=True)
     parallelize_module(model, tp_mesh, {name: _style(plan_kind(plan, name)) for name in targets})
+
+
+def _to_autocast_dtype(_module: nn.Module, args: tuple) -> tuple | None:
+    """A column-parallel Linear's input in the dtype autocast would compute it in. The Linear
+    casts it so anyway; cast first, its gradient's all-reduce in backward moves 16-bit values
+    where a normalisation autocast runs in fp32 (CUDA's policy) would make it fp32."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return None if x.dtype == dtype else (x.to(dtype), *args[1:])
 
 
 def plan_kind(plan: dict[str, str], name: str) -> str:

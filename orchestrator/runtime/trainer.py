@@ -231,7 +231,7 @@ class Trainer:
                 loss.backward()
             self._sync()
             times.append(time.perf_counter() - t0)
-        self.par.optimizer.zero_grad(set_to_none=True)
+        self.par.zero_grad()
         self.compute_micro_s = sorted(times[1:])[len(times[1:]) // 2]
         return self.compute_micro_s
 
@@ -270,9 +270,9 @@ class Trainer:
             sync = every or i == self.accum - 1
             # The plan's choice: reduce-scatter every micro-step (FSDP2 then keeps only sharded
             # gradients between them), or only on the last (unsharded gradients live until then,
-            # one reduction). Forward and backward both sit inside no_sync because DDP decides
-            # at forward time whether backward will sync.
-            with contextlib.nullcontext() if sync else self.par.no_sync():
+            # one reduction). Forward and backward both sit inside it because DDP decides at
+            # forward time whether backward will sync.
+            with self.par.micro_step(sync, last=i == self.accum - 1):
                 with self._autocast():
                     loss = self._loss(model, x[sl], y[sl]) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -304,7 +304,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.par.optimizer.step()
-        self.par.optimizer.zero_grad(set_to_none=True)
+        self.par.zero_grad()
         opt_end = self._mark()
         mean_loss = self._global_mean(total)  # .item() waits for the step, so both marks are done
         opt_s = self._seconds(opt_start, opt_end)

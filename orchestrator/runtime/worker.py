@@ -406,7 +406,8 @@ class Worker:
                 row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
             self.metrics.record_step(row)
             if self.rank == 0:
-                outbox.add({"kind": "step", **row}, urgent=evaluated)
+                # The first step at once: it closes the driver's clock of this start or restart.
+                outbox.add({"kind": "step", **row}, urgent=evaluated or step == start)
             times.append((res.step_s, res.exposed_comm_s))
             if len(times) >= TIMES_BATCH or final:
                 # Already a batch: sent now, or the other ranks' timings (their only items) would
