@@ -133,6 +133,18 @@ def test_zero2_gathers_its_weights_once_a_step_whatever_the_accumulation(capsys)
     _check_agreement(plan["rehearsal"])
 
 
+def test_zero1_is_priced_as_the_all_reduce_and_broadcasts_it_runs(capsys):
+    """Found by rehearsal: ZeroRedundancyOptimizer runs under DDP's all-reduce and broadcasts
+    the stepped parameters, once per parameter (388 for a GPT 1.3B), where the plan priced a
+    reduce-scatter and an all-gather. It broadcasts one bucket per rank now, as priced."""
+    code, plan, _ = _rehearse(capsys, "parallel.strategy=zero1", "parallel.pp=1", "parallel.tp=1")
+    assert code == 0 and plan["strategy"] == "zero1"
+    ops = {(c["op"], c["axis"]): c for c in plan["rehearsal"]["collectives"] if c["bytes"] >= 2**20 // 8}
+    assert set(ops) == {("all_reduce", "dp_shard"), ("broadcast", "dp_shard")}
+    assert ops[("broadcast", "dp_shard")]["count"] == ops[("broadcast", "dp_shard")]["predicted_count"] == 16
+    _check_agreement(plan["rehearsal"])
+
+
 def test_cuda_autocast_norms_run_in_fp32_inside_the_scope_only():
     import torch.nn.functional as F
 

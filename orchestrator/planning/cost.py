@@ -277,20 +277,18 @@ def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
         axis = "dp_replicate" if c.strategy == Strategy.ddp else "dp_shard"
         gl = group_links(ctx, cl, axis)
         bucket_mb = c.bucket_mb or auto_bucket_mb(grad_bytes, gl.size, gl.flat_gbps, gl.flat_lat_us)
-        if wrapping != Strategy.zero1:
-            algo = str(ex.sync_algorithm)
-            red, schedule = group_all_reduce(grad_bytes, gl, algo)
-            tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, algo)
-            parts["grad all-reduce"] = syncs * red
-            schedule += flat_note
-        else:
-            red = group_reduce_scatter(grad_bytes, gl)
-            tail = group_reduce_scatter(min(bucket_mb * MB, grad_bytes), gl)
-            gather = group_all_gather(p_rank * lay.weights, gl)
-            parts["grad reduce-scatter"], parts["param all-gather"] = red, gather
-            schedule = "flat ring reduce-scatter + all-gather" if gl.size > 1 else schedule
-            schedule += flat_note
-            exposed += gather
+        algo = str(ex.sync_algorithm)
+        red, schedule = group_all_reduce(grad_bytes, gl, algo)
+        tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, algo)
+        parts["grad all-reduce"] = syncs * red
+        schedule += flat_note
+        if wrapping == Strategy.zero1 and gl.size > 1:
+            # ZeroRedundancyOptimizer runs under DDP's all-reduce: each rank steps its partition
+            # and broadcasts it, one bucket per rank, after the step, where nothing hides it.
+            broadcast = group_all_gather(p_rank * lay.weights, gl, gl.size)
+            parts["param broadcast"] = broadcast
+            schedule += f"; parameters: {gl.size} broadcasts, one per rank's partition"
+            exposed += broadcast
         exposed += syncs * ((overlapped(red, bwd) + tail) if overlap and gl.size > 1 else red)
     else:
         gl = group_links(ctx, cl, "dp_shard")

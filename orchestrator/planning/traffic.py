@@ -102,11 +102,10 @@ def predicted_traffic(ctx: JobContext, plan: Plan, rank: int = 0) -> tuple[Traff
         axis = dp_axis(plan)
         if mesh.dp > 1:
             buckets = max(1, math.ceil(grad_bytes / (plan.sync.bucket_mb * MB)))
+            add("all_reduce", axis, syncs * buckets, syncs * grad_bytes)
             if ex.wrapping == Strategy.zero1:
-                add("reduce_scatter", axis, syncs * buckets, syncs * grad_bytes)
-                add("all_gather", axis, 1, p_rank * lay.weights)
-            else:
-                add("all_reduce", axis, syncs * buckets, syncs * grad_bytes)
+                # ZeroRedundancyOptimizer: each rank broadcasts its partition, one bucket.
+                add("broadcast", axis, mesh.dp, p_rank * lay.weights)
     else:
         axis = "dp_shard" if ex.fsdp_replicates else dp_axis(plan)
         units = blocks + 1  # FSDP2 unit per block, and the root's own parameters
