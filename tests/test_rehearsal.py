@@ -103,6 +103,13 @@ def test_ddp_accumulates_into_its_bucket_views_from_the_wrap_on(tmp_path):
             return sum(storages.values())
 
         assert all(p.grad is not None for p in params)
+        # A resuming rank loads into the state dict of an optimizer that has not stepped: it must
+        # hold Adam's moments for the checkpoint's to land in (torch creates them only where no
+        # gradient exists yet), and creating them moves no weight.
+        before = [p.detach().clone() for p in params]
+        optim = par.state_dict()["optimizer"]
+        assert sum(k.endswith(".exp_avg") for k in optim) == len(params)
+        assert all(torch.equal(a, p) for a, p in zip(before, params))
         buckets, one_copy = grad_storages(), sum(p.numel() * p.element_size() for p in params)
         assert len(buckets) < len(params) and grad_bytes() == one_copy
         x = torch.randint(0, 128, (4, 16))

@@ -275,6 +275,7 @@ class Parallelized:
         rank that owns the parameter, which DCP saves from that rank alone.
         """
         optimizer = self._local_optimizer()
+        _create_optimizer_state(optimizer)
         with _without_empty_groups(optimizer):
             model_sd, optim_sd = get_state_dict(self.model, optimizer, options=_DCP_OPTIONS)
         return {"model": model_sd, "optimizer": optim_sd}
@@ -290,6 +291,24 @@ class Parallelized:
                 optim_state_dict=state_dict["optimizer"],
                 options=_DCP_OPTIONS,
             )
+
+
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped its state (Adam's moments), as torch's
+    `get_state_dict` does itself where no gradient exists: DCP loads a checkpoint only into
+    state that exists. DDP's gradients exist from the wrap on (its bucket views, zero until a
+    backward), so torch declines; one step at learning rate 0 over them creates the state and
+    moves no weight, and what a checkpoint holds then overwrites it."""
+    if optimizer.state or not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
 
 
 def _zero_optimizer(
