@@ -2,7 +2,8 @@
 
     python benchmarks/rehearsal.py [--quick] [--only LABEL]
 
-For GPT and Llama models from about 1B to 70B parameters and ddp, zero1, zero2, zero3, hsdp,
+For GPT and Llama models from about 1B to 70B parameters (the built-in families, and Hugging
+Face `transformers` models from the configs in benchmarks/hf_configs) and ddp, zero1, zero2, zero3, hsdp,
 tensor-parallel and pipeline plans at 8 to 512 ranks of DGX H100 nodes (`conf/cluster/dgx-h100`,
 described, not probed), the planner plans the job with the strategy forced; `plan --rehearse`'s
 machinery then runs one training step of the plan's rank 0 (and of the last stage's first rank
@@ -45,6 +46,14 @@ LLAMA_1B = _llama("dim: 2048, n_layers: 16, n_heads: 32, n_kv_heads: 8, vocab_si
 LLAMA_8B = _llama("preset: llama3-8b", 8192, 256)
 LLAMA_70B = _llama("preset: llama3-70b", 8192, 256)
 GPT_1B = _gpt(24, 16, 2048, 2048, 512)
+HF_CONFIGS = Path(__file__).resolve().parent / "hf_configs"
+
+
+def _hf(name: str, seq: int, batch: int) -> list[str]:
+    return [f"model.hf_config={HF_CONFIGS / name}.json", f"model.block_size={seq}", f"train.global_batch_size={batch}"]
+
+
+QUICK_HF = _hf("llama-small", 512, 64)
 GPT_7B = _gpt(32, 32, 4096, 2048, 512)
 
 
@@ -60,6 +69,7 @@ def cases(quick: bool) -> list[tuple[str, list[str], int, list[str]]]:
             ("gpt-s zero2 16", QUICK_GPT, 2, ["parallel.strategy=zero2", "parallel.tp=1", "parallel.pp=1"]),
             ("llama-s pp2 32", QUICK_LLAMA, 4, ["parallel.strategy=zero2", "parallel.tp=1", "parallel.pp=2"]),
             ("gpt-s zero1 8", QUICK_GPT, 1, ["parallel.strategy=zero1", "parallel.tp=1", "parallel.pp=1"]),
+            ("hf-small zero3 16", QUICK_HF, 2, ["parallel.strategy=zero3", "parallel.tp=1", "parallel.pp=1"]),
         ]
     return [
         ("gpt-1.3b ddp 8", GPT_1B, 1, ["parallel.strategy=ddp", "parallel.tp=1", "parallel.pp=1"]),
@@ -72,6 +82,16 @@ def cases(quick: bool) -> list[tuple[str, list[str], int, list[str]]]:
         ("llama3-70b zero3 64", LLAMA_70B, 8, ["parallel.strategy=zero3", "parallel.tp=1", "parallel.pp=1"]),
         ("llama3-70b tp8 256", LLAMA_70B, 32, ["parallel.strategy=zero3", "parallel.tp=8", "parallel.pp=1"]),
         ("llama3-70b pp4 tp8 128", LLAMA_70B, 16, ["parallel.strategy=zero3", "parallel.tp=8", "parallel.pp=4"]),
+        ("hf llama-2-13b zero3 64", _hf("llama-2-13b", 4096, 512), 8,
+         ["parallel.strategy=zero3", "parallel.tp=1", "parallel.pp=1"]),
+        ("hf mistral-7b hsdp 256", _hf("mistral-7b", 4096, 512), 32,
+         ["parallel.strategy=hsdp", "parallel.dp_shard=16", "parallel.tp=1", "parallel.pp=1"]),
+        ("hf llama-3.2-3b tp2 128", _hf("llama-3.2-3b", 4096, 512), 16,
+         ["parallel.strategy=zero3", "parallel.tp=2", "parallel.pp=1"]),
+        ("hf llama-2-13b full tp4 256", _hf("llama-2-13b", 4096, 512), 32,
+         ["parallel.strategy=zero3", "parallel.tp=4", "parallel.pp=1", "parallel.recompute=full"]),
+        ("hf llama-2-13b pp2 tp8 512", _hf("llama-2-13b", 4096, 512), 64,
+         ["parallel.strategy=zero2", "parallel.tp=8", "parallel.pp=2"]),
     ]
 
 
@@ -85,7 +105,7 @@ def one_case(label: str, model: list[str], nodes: int, forced: list[str]) -> dic
     from orchestrator.workloads.source import is_builtin_gpt
 
     overrides = [*model, *forced]
-    job = JOBS["llama" if any(o.startswith("model.factory=") for o in model) else "gpt"]
+    job = JOBS["llama" if any(o.startswith(("model.factory=", "model.hf_config=")) for o in model) else "gpt"]
     cfg = load_config(job, overrides)
     topo = described_topology(cfg, cfg.cluster.topology_file, nodes, job)
     spec = None if is_builtin_gpt(cfg.model) else model_spec(cfg.model)

@@ -36,7 +36,8 @@ class ModelConfig:
     """Keyword arguments of `factory`. The built-in GPT also receives the n_layer ... bias fields below."""
     hf_config: Optional[str] = None
     """A Hugging Face `config.json` to build a `transformers` causal LM from (random init; needs `.[hf]`);
-    overrides `factory`. Nothing is ever downloaded."""
+    overrides `factory` and its `args`, so any job can be planned for another model. Nothing is
+    ever downloaded."""
     hf_weights: Optional[str] = None
     """Local weights to load into the `hf_config` model: a `.safetensors` file, or a directory with
     `model.safetensors` or a sharded checkpoint (`model.safetensors.index.json`). Each rank reads

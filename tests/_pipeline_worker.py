@@ -1,4 +1,5 @@
-"""Pipeline parity harness: a tiny GPT trained by one process and by gloo ranks with pp > 1.
+"""Pipeline parity harness: a tiny GPT, and a tiny Hugging Face Llama with tied embeddings,
+trained by one process and by gloo ranks with pp > 1.
 
 Kept out of the test module so spawned ranks import it without importing pytest. The ranks
 run `build_pipeline`, the trainer's own path: stages split at block boundaries, parallelized
@@ -47,14 +48,21 @@ class Case:
     ex: Execution
     checkpoint: bool = False
     """Also save with DCP before the last step and resume a differently initialised replica."""
+    model: str = "gpt"
+    """`gpt`, or `hf`: a transformers Llama, whose blocks take the rotary tables and mask its
+    own forward computes, with its embedding tied to its head across the first and last stage."""
 
 
 CASES = {
     2: [Case("pp2", execution("ddp", Mesh(pp=2), "1f1b"), checkpoint=True),
         Case("pp2_interleaved", execution("ddp", Mesh(pp=2), "interleaved_1f1b", virtual=2)),
-        Case("pp2_zero_bubble", execution("ddp", Mesh(pp=2), "zero_bubble", virtual=2))],
+        Case("pp2_zero_bubble", execution("ddp", Mesh(pp=2), "zero_bubble", virtual=2)),
+        Case("hf_pp2", execution("ddp", Mesh(pp=2), "1f1b"), checkpoint=True, model="hf")],
     4: [Case("pp2_dp2", execution("zero3", Mesh(pp=2, dp_shard=2), "1f1b"), checkpoint=True),
-        Case("pp2_tp2", execution("ddp", Mesh(pp=2, tp=2), "gpipe"))],
+        Case("pp2_tp2", execution("ddp", Mesh(pp=2, tp=2), "gpipe")),
+        Case("hf_pp2_dp2_interleaved", execution("zero3", Mesh(pp=2, dp_shard=2), "interleaved_1f1b", virtual=2),
+             model="hf"),
+        Case("hf_pp2_tp2", execution("ddp", Mesh(pp=2, tp=2), "gpipe"), model="hf")],
 }
 
 
@@ -72,15 +80,41 @@ def batches() -> torch.Tensor:
     return torch.stack([seq[..., :-1], seq[..., 1:]], dim=2)
 
 
-def fresh_model(seed: int = 0) -> GPT:
+def fresh_model(seed: int = 0, model: str = "gpt") -> torch.nn.Module:
     torch.manual_seed(seed)
-    return GPT(CFG)
+    if model == "gpt":
+        return GPT(CFG)
+    import transformers
+
+    from orchestrator.workloads.hf import build
+
+    config = transformers.LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.n_embd, intermediate_size=64,
+                                      num_hidden_layers=CFG.n_layer, num_attention_heads=CFG.n_head,
+                                      num_key_value_heads=2, max_position_embeddings=CFG.block_size,
+                                      tie_word_embeddings=True)
+    with tempfile.TemporaryDirectory() as d:
+        config.to_json_file(os.path.join(d, "config.json"))
+        torch.manual_seed(seed)
+        return build(os.path.join(d, "config.json"))
 
 
-def reference() -> dict[str, list[float]]:
+class _WithLoss(torch.nn.Module):
+    """A Hugging Face model as the one-process reference calls a model: (ids, targets) -> loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x).logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def reference(model: str = "gpt") -> dict[str, list[float]]:
     """One process over the whole global batch, micro-batch by micro-batch."""
-    model = fresh_model()
-    return train_one_process(model, make_optimizer(model), batches(), MICROBATCHES, MAX_NORM)
+    net = fresh_model(model=model)
+    net = net if model == "gpt" else _WithLoss(net)
+    return train_one_process(net, make_optimizer(net), batches(), MICROBATCHES, MAX_NORM)
 
 
 def _train_step(pipe, step: torch.Tensor, dp_rank: int, dp_world: int, loss_ranks: int) -> tuple[float, float]:
@@ -100,7 +134,7 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
     mesh = build_mesh(case.ex.mesh, "cpu")
     dp_rank, dp_world = data_parallel_rank(mesh)
     loss_ranks = dist.get_world_size() // case.ex.mesh.pp
-    pipe = build_pipeline(fresh_model(), case.ex, mesh, make_optimizer, torch.device("cpu"))
+    pipe = build_pipeline(fresh_model(model=case.model), case.ex, mesh, make_optimizer, torch.device("cpu"))
     data = batches()
     losses, norms = [], []
     for step in data[:-1]:
@@ -111,7 +145,8 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
     if case.checkpoint:
         ckpt = os.path.join(ckpt_root, case.name)
         dcp.save(pipe.state_dict(), checkpoint_id=ckpt)
-        resumed = build_pipeline(fresh_model(seed=99), case.ex, mesh, make_optimizer, torch.device("cpu"))
+        resumed = build_pipeline(fresh_model(seed=99, model=case.model), case.ex, mesh, make_optimizer,
+                                 torch.device("cpu"))
         sd = resumed.state_dict()
         dcp.load(sd, checkpoint_id=ckpt)
         resumed.load_state_dict(sd)

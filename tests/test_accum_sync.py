@@ -305,3 +305,19 @@ def test_fsdp2_holds_no_gradient_while_the_loss_runs_backward_and_ddp_holds_all_
     deep = ModelShape(layers=48, hidden=1024, heads=16, vocab=512, seq=4096, bias=False)
     blocks = rank_memory("zero3", deep, 1, 8, 2, "none", layout, 0.0, micro_steps=1)
     assert blocks.grads == runtime_states("zero3", deep, 1, 8, layout).grads
+
+
+def test_zero3_holds_no_gathered_weights_while_the_loss_runs_backward_and_zero2_holds_them_all():
+    """Found by rehearsal (a 12-block Llama 40% over): zero3 and hsdp reshard every unit after
+    its forward, the root with the head too, and gather none again before the loss's backward
+    is done; zero2 keeps every unit gathered from its forward to its backward."""
+    from orchestrator.planning.memory import buffer_bytes, rank_memory
+
+    shape = ModelShape(layers=8, hidden=1024, heads=16, vocab=128_000, seq=4096, bias=False)
+    layout = byte_layout("bf16")
+    for strategy in ("zero3", "hsdp", "zero2"):
+        m = rank_memory(strategy, shape, 1, 8, 2, "none", layout, 0.0, on_gpu=False, micro_steps=1)
+        assert m.grads == 0  # the loss's backward is the peak
+        st = runtime_states(strategy, shape, 1, 8, layout)
+        held = buffer_bytes(strategy, shape, 1, 8, layout, 0.0, 2, on_gpu=False) - st.unsharded_grads
+        assert m.buffers == (st.gathered if strategy == "zero2" else 0) and held == st.gathered > 0

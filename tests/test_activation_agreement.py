@@ -102,3 +102,83 @@ def test_a_gpt_block_keeps_what_the_planner_counts_under_cuda_autocast(wrapping,
     planned = batch * gpt_block_bytes(shape, 1, recompute, values) + copies
     # Biases and LayerNorm weights are the only values left out.
     assert planned == pytest.approx(measured, rel=0.03), (planned, measured)
+
+
+def _hf_llama(tmp_path, layers: int, width: int = 256):
+    transformers = pytest.importorskip("transformers")
+    from orchestrator.workloads.hf import build
+
+    # A config as a real checkpoint ships it: saved in bf16, with a KV cache on by default.
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=width * 43 // 16,
+                                      num_hidden_layers=layers, num_attention_heads=width // 128 * 2,
+                                      num_key_value_heads=width // 128, torch_dtype="bfloat16")
+    config.to_json_file(tmp_path / "config.json")
+    return build(str(tmp_path / "config.json")), str(tmp_path / "config.json")
+
+
+def test_a_hugging_face_model_trains_from_fp32_master_weights_whatever_its_checkpoints_dtype(tmp_path):
+    model, _ = _hf_llama(tmp_path, 1)
+    assert {p.dtype for p in model.parameters()} == {__import__("torch").float32}
+
+
+def test_a_hugging_face_block_keeps_what_the_planner_counts_under_fsdp2(tmp_path):
+    """A Hugging Face RMSNorm normalises by hand (fp32 inside, its input's dtype out): no
+    matmul keeps a copy of its output, unlike torch's rms_norm that CUDA autocast runs in fp32."""
+    torch = pytest.importorskip("torch")
+    from orchestrator.config import ModelConfig
+    from orchestrator.planning.activations import activation_profile, value_bytes
+    from orchestrator.planning.model_math import ModelShape
+    from orchestrator.workloads.inspect import model_spec
+
+    # A real model's width: the rotary tables each block casts for itself are a share of it of
+    # head_dim / width, which the planner leaves out.
+    seq, width = 128, 1024
+    model, path = _hf_llama(tmp_path, 2, width)
+    spec = model_spec(ModelConfig(hf_config=path, block_size=seq))
+    assert spec.fp32_norms_per_block == 0 and spec.tp_colwise_per_block == 5
+    layer = model.to(torch.bfloat16).model.layers[0]
+    x = torch.randn(1, seq, width, requires_grad=True)
+    pos = torch.arange(seq)[None]
+    cos, sin = model.model.rotary_emb(x, pos)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, h):
+            out = self.layer(h, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos)
+            return out[0] if isinstance(out, tuple) else out
+
+    measured = _saved_bytes(Block(), x, weights_bf16=True)
+    shape = ModelShape.from_spec(spec)
+    # One block of a stage without the head: what the block keeps, nothing else.
+    planned = activation_profile(shape, 1, 1, "none", value_bytes(2, 2, on_gpu=True), blocks=1, last=False).kept
+    assert planned == pytest.approx(measured, rel=0.03), (planned, measured)
+
+
+def test_a_recomputed_hugging_face_block_frees_its_values_once_its_backward_is_done(tmp_path):
+    # With the config's KV cache on, each recomputed attention appended its keys and values to
+    # the cache, which held them and the block's other recomputed values to the end of backward.
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from orchestrator.workloads.models import apply_recompute, block_list
+
+    seq, width = 384, 256
+    model, _ = _hf_llama(tmp_path, 4)
+    apply_recompute(model, "full")
+    tracker, alive = MemTracker(), []
+
+    def after_backward(*_):
+        # fp32 values of a block's width: the norms' inputs, recomputed in each block's backward.
+        alive.append(sum(1 for _, (w, _) in list(tracker._WINFO.items()) if w.mem_consumed == seq * width * 4))
+
+    for block in block_list(model):
+        block.register_full_backward_hook(after_backward)
+    with tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(torch.randint(0, 256, (1, seq))).logits
+        logits.float().sum().backward()
+    # Each block's saved input goes as backward passes it; nothing a block recomputed stays.
+    assert alive == sorted(alive, reverse=True) and alive[-1] < alive[0], alive

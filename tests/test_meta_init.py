@@ -106,6 +106,24 @@ def test_buffers_the_constructor_computes_survive_the_meta_build():
     assert torch.equal(model.inv_freq, torch.tensor([1.0, 2.0])) and not model.lin.weight.is_meta
 
 
+def test_a_model_built_in_a_fake_mode_keeps_that_mode_in_its_initialisation_copies():
+    # A rehearsal builds the model in a fake mode. Copying the mode with the model's tensors
+    # copied the weak storage references it keeps for its constants, which both copies then
+    # freed: a Hugging Face model's rehearsal crashed the process at random later allocations.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with params_on_meta():
+            model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        scale = torch.tensor(2.0)  # a constant: the mode keeps a weak reference to its storage
+        recipe, why = init_recipe(model, 0)
+    assert recipe is not None, why
+    assert mode.fake_tensor_converter.constant_storage_mapping, "the mode kept no constant: the test tests nothing"
+    for stand_in in recipe.stand_ins.values():
+        assert all(p.fake_mode is mode for p in stand_in.parameters())
+    assert float(scale.constant) == 2.0
+
+
 def test_a_module_without_an_initialisation_is_named():
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -142,6 +160,16 @@ def test_a_hugging_face_model_builds_on_meta_and_initialises_by_its_own_rule(tmp
     assert torch.equal(model.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
     logits = model(torch.randint(0, 128, (1, 8))).logits
     assert torch.isfinite(logits).all()
+
+
+def test_a_hugging_face_config_stands_in_for_a_jobs_factory_and_its_args(tmp_path):
+    # The Llama 3 job's factory takes `preset`; a transformers model takes no such argument.
+    transformers = pytest.importorskip("transformers")
+    transformers.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2).to_json_file(tmp_path / "config.json")
+    job = Path(__file__).resolve().parents[1] / "jobs" / "llama3-8b-dgx-h100.yaml"
+    m = load_config(str(job), [f"model.hf_config={tmp_path / 'config.json'}", "model.block_size=16"]).model
+    assert type(build_on_meta(m)).__name__ == "MistralForCausalLM"
 
 
 def test_a_parameter_no_initialisation_sets_is_named():

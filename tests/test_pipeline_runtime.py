@@ -30,19 +30,22 @@ def results(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, list[float]]:
+def references() -> dict[str, dict[str, list[float]]]:
     torch.set_num_threads(1)
-    return pw.reference()
+    return {model: pw.reference(model) for model in ("gpt", "hf")}
 
 
-def test_reference_learns_and_clips(reference) -> None:
+@pytest.mark.parametrize("model", ["gpt", "hf"])
+def test_reference_learns_and_clips(references, model) -> None:
+    reference = references[model]
     assert reference["losses"][0] - reference["losses"][-1] > 0.3
     assert min(reference["norms"]) > pw.MAX_NORM
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.slow
-def test_pipeline_matches_one_process(name, results, reference) -> None:
+def test_pipeline_matches_one_process(name, results, references) -> None:
+    reference = references[CASES[name].model]
     got = results[name]
     assert len(got["losses"]) == pw.STEPS
     for step, (a, b) in enumerate(zip(got["losses"], reference["losses"])):
@@ -71,6 +74,12 @@ def test_stages_checkpoint_under_the_whole_models_names(results) -> None:
     assert "wte.weight" in first and "lm_head.weight" in last and "lm_head.weight" not in first
     four = results["pp2_dp2"]["keys"]
     assert four[0] == four[1] and four[2] == four[3] and set(four[0]) == first and set(four[2]) == last
+    # A Hugging Face model's stages keep its own nested names, so its safetensors load by them.
+    hf = results["hf_pp2"]["keys"]
+    first, last = set(hf[0]), set(hf[1])
+    assert {k.split(".")[2] for k in first if k.startswith("model.layers.")} == {"0", "1"}
+    assert {k.split(".")[2] for k in last if k.startswith("model.layers.")} == {"2", "3"}
+    assert "model.embed_tokens.weight" in first and {"model.norm.weight", "lm_head.weight"} <= last
 
 
 def test_llama_splits_at_block_boundaries_and_matches_the_whole_model() -> None:
@@ -85,6 +94,37 @@ def test_llama_splits_at_block_boundaries_and_matches_the_whole_model() -> None:
     stages = [split_model(copy.deepcopy(model), pl, r)[0] for r in range(2)]
     assert {n.split(".")[1] for n, _ in stages[1].named_parameters() if n.startswith("layers.")} == {"2", "3"}
     assert "tok_embeddings.weight" not in dict(stages[1].named_parameters())
+    with torch.no_grad():
+        assert torch.allclose(stages[1](stages[0](x)), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "mistral_sliding_window", "qwen2", "gemma_scaled_embedding",
+                                    "llama_eager_attention"])
+def test_a_hugging_face_decoder_splits_into_stages_that_match_the_whole_model(family, tmp_path) -> None:
+    # Each stage hands its blocks what the model's own forward would (rotary tables, a causal
+    # or sliding-window mask, Gemma's scaled embedding), so the stages' logits are the model's.
+    transformers = pytest.importorskip("transformers")
+    from orchestrator.workloads.hf import build
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2)
+    config = {"llama_tied": lambda: transformers.LlamaConfig(**small, tie_word_embeddings=True),
+              "mistral_sliding_window": lambda: transformers.MistralConfig(**small, sliding_window=3),
+              "qwen2": lambda: transformers.Qwen2Config(**small),
+              "gemma_scaled_embedding": lambda: transformers.GemmaConfig(**small, head_dim=8),
+              "llama_eager_attention": lambda: transformers.LlamaConfig(**small, attn_implementation="eager")}[family]()
+    config.to_json_file(tmp_path / "config.json")
+    torch.manual_seed(0)
+    model = build(str(tmp_path / "config.json"))
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        want = model(x).logits
+    pl = resolve_pipeline(pw.SHAPE, 2, "1f1b", 4)
+    import copy
+
+    stages = [split_model(copy.deepcopy(model), pl, r)[0] for r in range(2)]
+    assert "model.embed_tokens.weight" not in dict(stages[1].named_parameters())
+    assert "model.rotary_emb.inv_freq" in dict(stages[1].named_buffers())  # moves to the stage's device
     with torch.no_grad():
         assert torch.allclose(stages[1](stages[0](x)), want, atol=1e-6)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from orchestrator.cli import main
@@ -190,18 +191,20 @@ def test_full_recomputation_repeats_every_tensor_parallel_reduction_but_the_bloc
     _check_agreement(plan["rehearsal"], memory=False)
 
 
-def test_a_pipeline_rehearses_its_first_and_last_stage_and_their_point_to_point(capsys):
-    code, plan, _ = _rehearse(capsys, "parallel.strategy=zero2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
-                              nodes=4)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_pipeline_rehearses_its_first_and_last_stage_and_their_point_to_point(capsys, schedule):
+    # Interleaved, the last rank holds a round of micro-batches of its earlier chunk when its
+    # first backward runs (torch's warmup): found by rehearsal, a Mistral 7B pp=4 plan's last
+    # stage 44% under.
+    code, plan, _ = _rehearse(capsys, "parallel.strategy=zero2", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                              "model.args.n_layers=8", nodes=4)
     assert code == 0 and plan["mesh"]["pp"] == 2
     report = plan["rehearsal"]
     assert [(r["rank"], r["stage"]) for r in report["ranks"]] == [(0, 0), (16, 1)]
     for c in report["collectives"]:
         if c["op"] in ("send", "recv"):
             assert c["axis"] == "pp" and c["count"] == c["predicted_count"] and c["bytes"] == c["predicted_bytes"], c
-    # Memory per stage is not asserted: the planner misses what torch's schedule keeps (see
-    # docs/benchmarks.md#rehearsal); the rehearsal reports it.
-    assert all(r["peak_bytes"] > 0 for r in report["ranks"])
+    _check_agreement(report)
 
 
 def test_the_console_shows_a_table_and_the_verdict(capsys):
@@ -307,3 +310,35 @@ def test_the_last_stage_does_not_keep_every_micro_batchs_logits(capsys):
     # Kept, they would add 6 micro-batches' logits (measured: 4.6 of them); what does grow with
     # the micro-batch count (the batch itself, the schedule's bookkeeping) stays under 2.
     assert peaks[256] - peaks[64] < 2 * logits[64], peaks
+
+
+def _hf_llama_config(tmp_path) -> str:
+    transformers = pytest.importorskip("transformers")
+    # As a checkpoint ships it: saved in bf16, its KV cache on.
+    transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                             torch_dtype="bfloat16").to_json_file(tmp_path / "config.json")
+    return str(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_hugging_face_llama_rehearses_as_planned(capsys, tmp_path, recompute):
+    # Planned from a config.json, the job's own factory and its args set aside; one micro-step,
+    # where FSDP2's peak is the loss's backward.
+    code, plan, _ = _rehearse(capsys, f"model.hf_config={_hf_llama_config(tmp_path)}", "parallel.strategy=zero3",
+                              "parallel.pp=1", f"parallel.recompute={recompute}", "train.micro_batch_size=4")
+    assert code == 0 and plan["model"]["name"].endswith("hf:build")
+    _check_agreement(plan["rehearsal"])
+
+
+def test_a_hugging_face_llama_rehearses_in_a_pipeline(capsys, tmp_path):
+    code, plan, _ = _rehearse(capsys, f"model.hf_config={_hf_llama_config(tmp_path)}", "parallel.strategy=zero2",
+                              "parallel.pp=2", "parallel.pp_schedule=1f1b", nodes=4)
+    assert code == 0 and plan["mesh"]["pp"] == 2
+    report = plan["rehearsal"]
+    assert [(r["rank"], r["stage"]) for r in report["ranks"]] == [(0, 0), (16, 1)]
+    sends = [c for c in report["collectives"] if c["op"] in ("send", "recv")]
+    assert sends and all(c["count"] == c["predicted_count"] and c["bytes"] == c["predicted_bytes"] for c in sends)
+    # Memory per stage is benchmarks/rehearsal.py's (its 13B pp plan): at a shape this small the
+    # planner overstates the first stage's for every model alike, the built-in Llama's too.
+    _check_agreement(report, memory=False)

@@ -282,7 +282,10 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes,
         fix = sh * (v.stream - v.act)  # the block input, all a checkpointed block keeps
     else:
         fix = STREAM_VALUES * sh * (v.norm_out - v.act)  # as the norms reading them keep them
-        if recompute == "none" and v.norm_out != v.act and spec.tp_colwise_per_block:
+        # A norm autocast runs in fp32 returns fp32; one written by hand returns its input's
+        # dtype, the residual stream's.
+        norm_out = v.stream if spec.fp32_norms_per_block == 0 else v.norm_out
+        if recompute == "none" and norm_out != v.act and spec.tp_colwise_per_block:
             # Each matmul reading an fp32 norm output keeps its own 16-bit copy; the measurement
             # kept the output once. The column-parallel Linears are those readers (q, k, v and
             # the MLP's input projections), a plan that names none is taken to have one per norm.

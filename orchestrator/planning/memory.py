@@ -155,9 +155,10 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     """Model-state bytes one rank keeps under the runtime's wrapping of the GPT.
 
     ddp and zero1 keep what ZeRO counts. FSDP2 (zero2, zero3, hsdp) shards every weight over
-    the `shard` group at rest. Its root unit (embeddings, tied lm_head, final LayerNorm) is
-    never resharded between forward and backward, and its unsharded gradient lives through the
-    whole backward (lm_head's part comes first, the embedding's last); each block's unsharded
+    the `shard` group at rest. Its root unit (embeddings, tied lm_head, final LayerNorm) follows
+    the blocks' rule (zero3 and hsdp reshard it after forward and gather it again for the head's
+    backward), and its unsharded gradient lives through the whole backward (lm_head's part
+    comes first, the embedding's last); each block's unsharded
     gradient lives until its reduce-scatter. zero2 (reshard_after_forward=False) keeps every
     block's gathered weights from its forward until its backward, so at the start of backward
     all of them exist at once; zero3 and hsdp re-gather per block and hold the block being
@@ -274,8 +275,11 @@ def rank_memory(
         # logits' gradients (the first micro-step's, and the only one's without accumulation),
         # and a block's unsharded gradients only once the blocks run backward, when those
         # logits are gone. Two moments, and the fuller is the peak.
+        # zero3 and hsdp reshard every unit after its forward, the root too, and gather none
+        # again before its own backward: none is gathered while the loss runs backward.
+        idle = st.unsharded_grads + (st.gathered if wrapping_of(strategy, tp) != Strategy.zero2 else 0.0)
         at_loss = g if micro_steps > 1 else 0.0
-        phases = [(at_loss, profile.peak, buf - st.unsharded_grads), (g, profile.in_blocks, buf)]
+        phases = [(at_loss, profile.peak, buf - idle), (g, profile.in_blocks, buf)]
     grads, act, buffers = max(phases, key=sum)
     parts = [int(round(x)) for x in (w, grads, k, act, buffers)]
     return MemoryBreakdown(*parts, total=sum(parts))

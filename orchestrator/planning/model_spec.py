@@ -72,6 +72,12 @@ class ModelSpec:
     DTensor all-reduces that input's gradient on its own in backward: separate q, k and v
     projections cost three all-reduces where a fused qkv costs one. 0: unknown, priced as the
     GPT's two (fused qkv, MLP input)."""
+    fp32_norms_per_block: int | None = None
+    """Normalisations in one block that CUDA autocast runs in fp32 (`F.layer_norm`,
+    `F.rms_norm`), counted in its forward: their outputs are fp32 on a GPU whatever their input,
+    so each matmul reading one keeps a 16-bit copy of it. A block that normalises by hand (a
+    Hugging Face RMSNorm: fp32 inside, its input's dtype out) has 0. None: not counted, taken
+    as a pre-norm block's two."""
     tp_rowwise_per_block: int = 0
     """Row-parallel Linears the plan names in one block: one all-reduce of the output each in
     forward (again under full recomputation). 0: unknown, priced as the GPT's two."""

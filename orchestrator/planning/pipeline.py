@@ -77,14 +77,28 @@ class Pipeline:
         return bubble_fraction(self.schedule, self.stages, self.microbatches, self.virtual)
 
     def in_flight(self, stage: int) -> float:
-        """Micro-batches whose activations (of all this rank's chunks) stage `stage` holds at its peak."""
+        """Micro-batches whose activations (of all this rank's chunks) stage `stage` holds at its
+        peak: its first backward, when every forward before it still holds what it saved.
+
+        GPipe runs every forward first. 1F1B runs p - stage forwards before it. The interleaved
+        schedules run torch's warmup (`_get_warmup_ops`: (v - 1) rounds of micro-batches, then
+        two (one under zero bubble) forwards per hop from the last rank) and one more, in rounds
+        through the rank's chunks in turn; each such forward holds one chunk's share of the
+        rank's blocks. The last rank is no exception: it holds a round of its earlier chunks."""
         p, m, v = self.stages, self.microbatches, self.virtual
         if self.schedule == PipelineSchedule.gpipe or p == 1:
             return float(m) if p > 1 else 1.0
-        warm = p - stage
-        if v > 1:
-            warm = warm * (1 + (p - 1) / (p * v)) if stage == 0 else warm
-        return float(min(m, warm))
+        if v == 1:
+            return float(min(m, p - stage))
+        per_round = m // max(1, m // p)
+        hop = 1 if self.schedule == PipelineSchedule.zero_bubble else 2
+        forwards = min((v - 1) * per_round + hop * (p - 1 - stage), m * v) + 1
+        chunks = self.chunks_of(stage)
+        held = [0] * v
+        for k in range(min(forwards, m * v)):
+            held[(k // per_round) % v] += 1
+        blocks = [self.layers[c] for c in chunks]
+        return sum(n * b for n, b in zip(held, blocks)) / max(1, sum(blocks))
 
     def to_dict(self) -> dict:
         d = asdict(self)

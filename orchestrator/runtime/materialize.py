@@ -115,7 +115,7 @@ class InitRecipe:
         return self._cache[1][local]
 
     def _initialise(self, module_name: str, device: torch.device) -> dict[str, torch.Tensor]:
-        stand_in = copy.deepcopy(self.stand_ins[module_name]).to_empty(device=device, recurse=False)
+        stand_in = copy_module(self.stand_ins[module_name]).to_empty(device=device, recurse=False)
         values = dict(stand_in.named_parameters(recurse=False))
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -154,10 +154,23 @@ def init_recipe(model: nn.Module, seed: int) -> tuple[InitRecipe | None, str]:
         if hook is None and not callable(getattr(module, "reset_parameters", None)):
             return None, (f"{type(module).__name__} at '{module_name or '<root>'}' holds parameters but has no "
                           f"reset_parameters() and the model defines no init_module(module, name)")
-        stand_ins[module_name] = copy.deepcopy(module)  # meta: copying costs no memory
+        stand_ins[module_name] = copy_module(module)  # meta: copying costs no memory
         for n in mine:
             owners[_join(module_name, n)] = (module_name, n)
     return InitRecipe(seed, owners, stand_ins, hook), ""
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose fake tensors (a rehearsal builds the model in a fake mode)
+    stay in their own fake mode. A plain deepcopy copies the mode with them, and with it the
+    weak storage references the mode keeps for its constants, each of which both copies then
+    free: the process's heap is corrupted, and it crashes later at any allocation."""
+    memo: dict[int, object] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        mode = getattr(t, "fake_mode", None)
+        if mode is not None:
+            memo[id(mode)] = mode
+    return copy.deepcopy(module, memo)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -36,7 +36,7 @@ from ..choices import PipelineSchedule
 from ..errors import PlanError
 from ..planning.pipeline import Pipeline
 from ..planning.resolve import Execution
-from ..workloads.models import block_list, block_list_name, logits_of, pipeline_ends
+from ..workloads.models import block_list, block_list_name, logits_of, pipeline_ends, tp_plan
 from .parallelize import Parallelized, clip_grads_with_norm, parallelize, total_grad_norm
 
 
@@ -50,31 +50,48 @@ class StageModule(nn.Module):
         self.first, self.last = first, last
         # Plain attributes, not submodules: the model's own embed/head code and its TP plan.
         object.__setattr__(self, "_whole", model)
-        self.tp_plan = getattr(model, "tp_plan", None)
+        self.tp_plan = tp_plan(model)
         self.cfg = getattr(model, "cfg", None)
-        for name in (embed if first else ()) + (head if last else ()):
-            self.add_module(name, getattr(model, name))
+        # Every module under its path in the whole model (`model.layers.5...` for a Hugging Face
+        # one): TP plans, state dicts and DCP keys are the whole model's. Modules every stage
+        # runs (rotary tables) sit on every stage, so they move to its device with it.
+        for name in (embed if first else ()) + (head if last else ()) + tuple(getattr(model, "pipeline_shared", ())):
+            _adopt(self, name, model.get_submodule(name))
         blocks = block_list(model)
         self._blocks_name = block_list_name(model)
-        if "." in self._blocks_name:
-            raise PlanError(f"parallel.pp > 1 needs the block list as a direct child of the model; "
-                            f"{type(model).__name__} keeps it at {self._blocks_name}; use parallel.pp=1")
-        # Under the block list's own name (`h`, `layers`), keyed by each block's index in the
-        # whole model: TP plans, state dicts and DCP keys are the whole model's.
-        self.add_module(self._blocks_name, nn.ModuleDict({str(i): blocks[i] for i in range(start, stop)}))
+        # Keyed by each block's index in the whole model.
+        _adopt(self, self._blocks_name, nn.ModuleDict({str(i): blocks[i] for i in range(start, stop)}))
 
     @property
     def stage_blocks(self) -> nn.ModuleDict:
-        return getattr(self, self._blocks_name)
+        return self.get_submodule(self._blocks_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self._whole.embed(x)
+        # What the model's blocks take beside the hidden states (a Hugging Face decoder's
+        # rotary tables and mask), as the model's own forward computes it.
+        block_inputs = getattr(self._whole, "block_inputs", None)
+        kwargs = block_inputs(x) if block_inputs is not None else {}
         for block in self.stage_blocks.values():
-            x = block(x)
+            x = block(x, **kwargs)
+            if isinstance(x, tuple):  # transformers 4's decoder layers return (hidden states, ...)
+                x = x[0]
         if self.last:
             x = logits_of(self._whole.head(x))
         return x
+
+
+def _adopt(root: nn.Module, path: str, module: nn.Module | None) -> None:
+    """Register `module` at the dotted `path` under `root`, with empty containers on the way."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        child = root._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            root.add_module(part, child)
+        root = child
+    root.add_module(leaf, module)
 
 
 def split_model(model: nn.Module, pipeline: Pipeline, pp_rank: int) -> list[StageModule]:
@@ -92,12 +109,17 @@ def split_model(model: nn.Module, pipeline: Pipeline, pp_rank: int) -> list[Stag
         start, stop = pipeline.block_range(c)
         chunks.append(StageModule(model, start, stop, c == 0, c == pipeline.chunks - 1))
     embed, head = pipeline_parts(model)
-    kept = {name for m in chunks for name, _ in m.named_children()}
+    kept = {name for m in chunks for name, _ in m.named_modules()}
     for name in embed + head:
         if name not in kept:
-            setattr(model, name, None)
-    setattr(model, chunks[0]._blocks_name, nn.ModuleList())
+            _set_path(model, name, None)
+    _set_path(model, chunks[0]._blocks_name, nn.ModuleList())
     return chunks
+
+
+def _set_path(root: nn.Module, path: str, value: nn.Module | None) -> None:
+    owner, _, leaf = path.rpartition(".")
+    setattr(root.get_submodule(owner) if owner else root, leaf, value)
 
 
 def pipeline_parts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -29,6 +29,7 @@ from ..config import JobConfig
 from ..errors import ConfigError
 from ..planning import Plan
 from ..planning.compile import EAGER
+from ..workloads.hf import unpacked_sequences
 from .rehearse_fake import SENT_META, cuda_autocast_norms, fake_safe_runtime, forget_world, peak_tracker
 from .rehearse_record import AxisNames, Collective, CollectiveRecorder
 
@@ -184,7 +185,7 @@ def rehearse_rank(cfg: JobConfig, plan: Plan, rank: int, vocab: int | None = Non
     try:
         fake = FakeTensorMode(allow_non_fake_inputs=True) if fake_tensors else contextlib.nullcontext()
         norms = cuda_autocast_norms() if plan.execution.device == "gpu" else contextlib.nullcontext()
-        with fake_safe_runtime(), fake, norms, warnings.catch_warnings():
+        with fake_safe_runtime(), fake, norms, unpacked_sequences(), warnings.catch_warnings():
             # The runtime's storage bookkeeping reads data pointers, which fake storages lack.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             try:

@@ -20,6 +20,7 @@ import torch
 import torch._dynamo
 
 from ..config import ModelConfig
+from .hf import unpacked_sequences
 from .models import block_list, build_model
 
 _MAX_REASON = 160
@@ -39,7 +40,8 @@ def graph_break(m: ModelConfig, model_fn: Callable[..., Any] | None = None) -> s
 
     hook = blocks[0].register_forward_pre_hook(keep, with_kwargs=True)
     try:
-        model(torch.zeros(1, m.block_size, dtype=torch.long, device="meta"))
+        with unpacked_sequences():
+            model(torch.zeros(1, m.block_size, dtype=torch.long, device="meta"))
     finally:
         hook.remove()
     args, kwargs = seen["inputs"]

@@ -14,12 +14,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..planning.model_math import RECOMPUTE_MODES
 from ..planning.model_spec import ModelSpec
+from .hf import unpacked_sequences
 from .models import (
     apply_recompute,
     block_list,
@@ -107,6 +109,23 @@ def _loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids.reshape(-1))
 
 
+@contextlib.contextmanager
+def _quiet_module_tracker() -> Iterator[None]:
+    """torch's module tracker warns when a module is entered inside itself, which a Hugging Face
+    model's kernel wrappers (one `Func` module per wrapped function) do in every block; the
+    totals MemTracker keeps are right either way. The warning also replaces the process's
+    `warnings.formatwarning`, which is put back."""
+    import warnings
+
+    format_ = warnings.formatwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+            yield
+    finally:
+        warnings.formatwarning = format_
+
+
 def _tracked_run(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     """(activation bytes alive at the end of forward, peak activation and temporary bytes of
     the iteration) of one forward and backward on the meta device, by MemTracker."""
@@ -115,7 +134,7 @@ def _tracked_run(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     tracker = MemTracker()
     tracker.track_external(model)
     dev = ids.device
-    with _fused_attention(), tracker:
+    with _fused_attention(), _quiet_module_tracker(), unpacked_sequences(), tracker:
         loss = _loss_of(model, ids)
         kept = tracker.get_tracker_snapshot("current").get(dev, {}).get(_MemRefType.ACT, 0)
         loss.backward()
@@ -216,17 +235,19 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     two = copy.deepcopy(model)
     del blocks[1:]
     h1 = blocks[0].register_forward_pre_hook(pre, with_kwargs=True)
+    norms = _NormCounter(blocks[0])
     seq = m.block_size
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
     try:
-        with counter:
+        with unpacked_sequences(), counter, norms:
             out = model(ids)
     except Exception as e:  # noqa: BLE001 - the user's forward, reported in one line
         raise ConfigError(f"key 'model.factory': the forward of {name} on token ids [1, {seq}] failed: "
                           f"{type(e).__name__}: {e}") from e
     finally:
         h1.remove()
+        norms.remove()
     logits = logits_of(out) if isinstance(out, torch.Tensor) or hasattr(out, "logits") else None
     if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, seq):
         got = tuple(logits.shape) if logits is not None else type(out).__name__
@@ -242,8 +263,8 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
             try:
                 activations[rc] = _activation_profile(two, seq, rc)
             except Exception:  # noqa: BLE001 - priced as without recomputation, an upper bound
-                # A forward that cannot be re-run as checkpointing does (a Hugging Face model's
-                # KV cache grows again when attention re-runs) keeps at most what it keeps whole.
+                # A forward that cannot be re-run as checkpointing does (one that changes state
+                # it reads, as a KV cache grows) keeps at most what it keeps whole.
                 activations[rc] = activations["none"]
         tp_activations = _tp_activation_fraction(two, seq, plan, activations["none"].block)
     except Exception as e:  # noqa: BLE001 - the user's forward or backward, reported in one line
@@ -267,8 +288,35 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         tp_sharded_activation_fraction=tp_activations,
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
         tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
-        tp_colwise_per_block=colwise, tp_rowwise_per_block=rowwise,
+        tp_colwise_per_block=colwise, tp_rowwise_per_block=rowwise, fp32_norms_per_block=norms.count,
     )
+
+
+class _NormCounter(TorchFunctionMode):
+    """Counts the calls of `FP32_NORMS` inside `block`'s forward (its hooks open and close the
+    count): the normalisations CUDA autocast runs in fp32, seen as the model calls them, before
+    torch decomposes them into the ops a hand-written norm calls too."""
+
+    FP32_NORMS = frozenset({"layer_norm", "rms_norm"})
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.count = 0
+        self._inside = False
+        self._hooks = [block.register_forward_pre_hook(lambda *_: self._enter(True)),
+                       block.register_forward_hook(lambda *_: self._enter(False))]
+
+    def _enter(self, inside: bool) -> None:
+        self._inside = inside
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._inside and getattr(func, "__name__", "") in self.FP32_NORMS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _block_path(model: nn.Module, blocks: nn.ModuleList) -> str:

@@ -28,10 +28,11 @@ def factory_name(m: ModelConfig) -> str:
 
 
 def factory_kwargs(m: ModelConfig) -> dict[str, Any]:
-    """What the factory is called with: `model.args`; the built-in GPT also gets nanoGPT's fields,
-    a Hugging Face model its config and weights paths."""
+    """What the factory is called with: `model.args`; the built-in GPT also gets nanoGPT's fields.
+    A Hugging Face model gets its config and weights paths alone: `hf_config` stands in for the
+    factory, and the factory's `args` (a job's `preset`, say) go with it."""
     if m.hf_config:
-        return {"config": m.hf_config, "weights": m.hf_weights, **m.args}
+        return {"config": m.hf_config, "weights": m.hf_weights}
     if m.factory == GPT_FACTORY:
         gpt = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
                if f.name not in ("factory", "args", "hf_config", "hf_weights")}
