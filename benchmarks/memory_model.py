@@ -57,6 +57,9 @@ def plans(world: int, model: list[str]) -> list[dict[str, Any]]:
     from orchestrator.config import load_config
     from orchestrator.control.preflight import measure_model
     from orchestrator.planning import plan_job
+    from orchestrator.planning.cost import held_grad_bytes
+    from orchestrator.planning.memory import runtime_states
+    from orchestrator.planning.plan import job_context
     from orchestrator.topology.model import ClusterTopology, cpu_node
 
     topo = ClusterTopology(nodes=[cpu_node(world)])
@@ -64,8 +67,15 @@ def plans(world: int, model: list[str]) -> list[dict[str, Any]]:
     out = []
     for label, forced in cases(world):
         overrides = [*model, *COMMON, *forced]
-        plan = plan_job(load_config(None, overrides), topo, spec)
-        out.append({"label": label, "overrides": overrides, "plan": plan.to_dict()})
+        cfg = load_config(None, overrides)
+        plan = plan_job(cfg, topo, spec)
+        # The states the planner counts a rank holding (the plan's breakdown is its peak,
+        # where FSDP2's gradients may not all exist yet).
+        ctx, ex = job_context(cfg, topo, spec), plan.execution
+        st = runtime_states(str(plan.strategy), ctx.shape, plan.mesh.tp, ex.shard_group, ctx.layout,
+                            held_grad_bytes=held_grad_bytes(ex, ctx.layout, plan.sync.grad_accum_steps))
+        states = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer}
+        out.append({"label": label, "overrides": overrides, "plan": plan.to_dict(), "states": states})
     return out
 
 
@@ -116,7 +126,7 @@ def compare(planned: list[dict[str, Any]], measured: list[list[dict[str, Any]]])
     rows = []
     for case, ranks in zip(planned, measured):
         plan = case["plan"]
-        pred = {k: int(plan["memory_per_rank"][k]) for k in STATES}
+        pred = {k: int(case["states"][k]) for k in STATES}
         peak = max(ranks, key=lambda r: sum(r[k] for k in STATES))
         meas = {k: int(peak[k]) for k in STATES}
         pred_total, meas_total = sum(pred.values()), sum(meas.values())

@@ -20,7 +20,8 @@ from orchestrator.planning import Plan, plan_job
 from orchestrator.planning.cost import Choice, estimate
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout
-from orchestrator.planning.memory import byte_layout, runtime_states
+from orchestrator.planning.activations import activation_profile
+from orchestrator.planning.memory import byte_layout, forward_values, runtime_states
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape
 from orchestrator.planning.pipeline import resolve_pipeline
@@ -301,10 +302,20 @@ def test_fsdp2_holds_no_gradient_while_the_loss_runs_backward_and_ddp_holds_all_
     assert two.total - one.total == sharded and one.activations == two.activations
     ddp = rank_memory("ddp", shape, 1, 8, 2, "none", layout, 25e6, micro_steps=1)
     assert ddp.grads == runtime_states("ddp", shape, 1, 8, layout).grads > 0
-    # A small vocabulary and long blocks: the blocks' backward, with every gradient, is the peak.
+    # A small vocabulary and long blocks: the blocks' backward is the peak as it starts, every
+    # block's values kept and none of its gradients made yet (a 13B hsdp plan 17% over when
+    # both were counted at once).
     deep = ModelShape(layers=48, hidden=1024, heads=16, vocab=512, seq=4096, bias=False)
     blocks = rank_memory("zero3", deep, 1, 8, 2, "none", layout, 0.0, micro_steps=1)
-    assert blocks.grads == runtime_states("zero3", deep, 1, 8, layout).grads
+    profile = activation_profile(deep, 2, 1, "none", forward_values("zero3", 1, layout, True))
+    assert blocks.grads == 0 and blocks.activations == round(profile.in_blocks)
+    # Short sequences, wide blocks, one shard: the gradients outweigh the activations, and the
+    # peak is as the blocks' backward ends, every gradient made, one block's values left.
+    wide = ModelShape(layers=48, hidden=8192, heads=64, vocab=512, seq=128, bias=False)
+    end = rank_memory("zero3", wide, 1, 1, 1, "none", layout, 0.0, micro_steps=1)
+    profile = activation_profile(wide, 1, 1, "none", forward_values("zero3", 1, layout, True))
+    assert end.grads == round(runtime_states("zero3", wide, 1, 1, layout).grads)
+    assert end.activations == round(profile.blocks_done) < profile.in_blocks
 
 
 def test_zero3_holds_no_gathered_weights_while_the_loss_runs_backward_and_zero2_holds_them_all():

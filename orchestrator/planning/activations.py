@@ -71,7 +71,11 @@ class ActivationBytes:
     in_blocks: float
     """The most activations amount to while the blocks run backward, after the loss's backward
     has freed its log-probabilities and their gradients: what sits beside the gradients FSDP2
-    makes there (`kept + transient` on a rank without the loss)."""
+    makes there (`kept + transient` on a rank without the loss). That is as the blocks' backward
+    starts, before any block has made its gradients."""
+    blocks_done: float = 0.0
+    """What activations amount to as the blocks' backward ends, every block's gradients made:
+    the first block's values and its backward (every other block has freed its own)."""
 
     @property
     def peak(self) -> float:
@@ -204,10 +208,11 @@ def activation_profile(
         one = _gpt(shape, b, tp, recompute, v, nblocks, last)
         copies, cached = gpt_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
     kept = in_flight * one.kept + copies
+    in_blocks = kept - one.loss_kept + one.block_transient
     # The copies autocast caches but backward does not read die when forward ends, before
     # backward's temporaries exist: whichever is larger sits on top of what is kept.
-    return ActivationBytes(kept=kept, transient=max(one.transient, cached),
-                           in_blocks=kept - one.loss_kept + one.block_transient)
+    return ActivationBytes(kept=kept, transient=max(one.transient, cached), in_blocks=in_blocks,
+                           blocks_done=in_blocks - max(0, nblocks - 1) * one.block_kept)
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,8 @@ class _OneMicroBatch:
     """Of `kept`, the loss's log-probabilities, freed by the loss's backward."""
     block_transient: float
     """What a block's backward holds on top of what is kept."""
+    block_kept: float = 0.0
+    """What one block keeps (of `kept`)."""
 
 
 def _gpt(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes, blocks: int,
@@ -233,7 +240,8 @@ def _gpt(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes, bloc
         in_block += b * (gpt_block_bytes(shape, tp, "none", v) - block)
     in_block += _largest_weight_gradient(shape, tp)
     loss_kept = b * FP32 * shape.seq * shape.vocab if last else 0.0
-    return _OneMicroBatch(kept, max(loss + _largest_weight_gradient(shape, tp), in_block), loss_kept, in_block)
+    return _OneMicroBatch(kept, max(loss + _largest_weight_gradient(shape, tp), in_block), loss_kept, in_block,
+                          b * block)
 
 
 def _measured_weight_copy_bytes(shape: ModelShape, tp: int, recompute: str, v: ValueBytes, blocks: int,
@@ -297,7 +305,8 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes,
     if recompute == "full":
         in_block += scale * (spec.block_activation_bytes["none"] - spec.block_activation_bytes["full"])
     in_block += _largest_weight_gradient(shape, tp)
+    per_block = scale * block + b * fix
     if not last:
         # No loss on this stage: the measured transient (the loss's, mostly) does not arise here.
-        return _OneMicroBatch(kept, in_block, 0.0, in_block)
-    return _OneMicroBatch(kept, scale * (transient - loss_grad) + b * loss_grad, b * loss_kept, in_block)
+        return _OneMicroBatch(kept, in_block, 0.0, in_block, per_block)
+    return _OneMicroBatch(kept, scale * (transient - loss_grad) + b * loss_grad, b * loss_kept, in_block, per_block)

@@ -278,8 +278,11 @@ def rank_memory(
         # zero3 and hsdp reshard every unit after its forward, the root too, and gather none
         # again before its own backward: none is gathered while the loss runs backward.
         idle = st.unsharded_grads + (st.gathered if wrapping_of(strategy, tp) != Strategy.zero2 else 0.0)
-        at_loss = g if micro_steps > 1 else 0.0
-        phases = [(at_loss, profile.peak, buf - idle), (g, profile.in_blocks, buf)]
+        # The blocks make their gradients one after another while each frees what it kept:
+        # their backward is fullest of activations as it starts and of gradients as it ends.
+        # Earlier micro-steps' gradients are there all along.
+        before = g if micro_steps > 1 else 0.0
+        phases = [(before, profile.peak, buf - idle), (before, profile.in_blocks, buf), (g, profile.blocks_done, buf)]
     grads, act, buffers = max(phases, key=sum)
     parts = [int(round(x)) for x in (w, grads, k, act, buffers)]
     return MemoryBreakdown(*parts, total=sum(parts))

@@ -2,19 +2,23 @@
 
 A model runs in a pipeline when its forward is ``head(blocks(embed(idx)))`` and it names the
 modules of each end (`pipeline_embed`, `pipeline_head`; the built-in GPT and the Llama family
-do). A chunk (`StageModule`) keeps its own blocks in a ModuleDict keyed by their index in the
-whole model, under the block list's own name, so parameter and optimizer-state names are the
-whole model's (`h.5.attn.q_proj.weight`): DCP checkpoints hold every stage's state without
-collisions. The first chunk keeps the embedding, the last the final norm and the head. Chunk c
-runs on pipeline rank c mod p (torch's loop placement for the interleaved schedules).
+do, and `workloads/hf.py` names them for a Hugging Face decoder laid out as Llama's, with the
+keyword arguments its blocks take, `block_inputs`, and the modules every stage runs,
+`pipeline_shared`). A chunk (`StageModule`) keeps its own blocks in a ModuleDict keyed by their
+index in the whole model, under the block list's own path, and every module under its path in
+the whole model, so parameter and optimizer-state names are the whole model's
+(`h.5.attn.q_proj.weight`, `model.layers.5.self_attn.q_proj.weight`): DCP checkpoints hold every
+stage's state without collisions, and a Hugging Face checkpoint loads by its own names. The
+first chunk keeps the embedding, the last the final norm and the head. Chunk c runs on
+pipeline rank c mod p (torch's loop placement for the interleaved schedules).
 
 Each chunk is parallelized on its own, the way torchtitan composes them: tensor parallelism,
 recomputation, then FSDP2 over the data-parallel axes; torch's `PipelineStage` turns gradient
 sync off until the last micro-batch's backward, then reduces once and divides the gradients by
 the micro-batch count, so one step equals one over the whole batch.
 
-Tied weights: the GPT ties lm_head to wte. With p > 1 the first and the last stage each hold
-it; after backward their gradients are summed between the two ranks (Megatron's way), so both
+Tied weights: the GPT ties lm_head to wte (`pipeline_tied` names them). With p > 1 the first
+and the last stage each hold it; after backward their gradients are summed between the two ranks (Megatron's way), so both
 copies take the same optimizer step and stay equal, and the gradient norm counts it once.
 """
 

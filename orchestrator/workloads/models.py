@@ -113,9 +113,10 @@ def block_list_name(model: nn.Module) -> str:
 
 
 def pipeline_ends(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(embedding module names, head module names) of a model whose forward is
+    """(embedding module paths, head module paths) of a model whose forward is
     ``head(blocks(embed(idx)))`` and that says so (`embed`, `head`, `pipeline_embed`,
-    `pipeline_head`, as the built-in GPT and Llama do); None for any other model."""
+    `pipeline_head`, as the built-in GPT and Llama do, and `hf.py` for a Hugging Face decoder
+    laid out as Llama's); None for any other model."""
     embed, head = getattr(model, "pipeline_embed", None), getattr(model, "pipeline_head", None)
     if embed and head and callable(getattr(model, "embed", None)) and callable(getattr(model, "head", None)):
         return tuple(embed), tuple(head)
