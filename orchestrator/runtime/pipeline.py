@@ -18,8 +18,9 @@ sync off until the last micro-batch's backward, then reduces once and divides th
 the micro-batch count, so one step equals one over the whole batch.
 
 Tied weights: the GPT ties lm_head to wte (`pipeline_tied` names them). With p > 1 the first
-and the last stage each hold it; after backward their gradients are summed between the two ranks (Megatron's way), so both
-copies take the same optimizer step and stay equal, and the gradient norm counts it once.
+and the last stage each hold it; after backward their gradients are summed between the two
+ranks (Megatron's way), so both copies take the same optimizer step and stay equal, and the
+gradient norm counts it once.
 """
 
 from __future__ import annotations
