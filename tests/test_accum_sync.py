@@ -17,10 +17,10 @@ from orchestrator.choices import AccumSync, Compression, Recompute, Strategy
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning import Plan, plan_job
+from orchestrator.planning.activations import activation_profile
 from orchestrator.planning.cost import Choice, estimate
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout
-from orchestrator.planning.activations import activation_profile
 from orchestrator.planning.memory import byte_layout, forward_values, runtime_states
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape
