@@ -150,8 +150,8 @@ def test_memory_model_plans_every_strategy_with_its_mesh():
 
 
 def test_memory_model_compare_takes_the_largest_rank():
-    planned = [{"label": "zero1", "plan": {"strategy": "zero1", "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 1},
-                                          "memory_per_rank": {"params": 100, "grads": 100, "optimizer": 100}}}]
+    planned = [{"label": "zero1", "plan": {"strategy": "zero1", "mesh": {"dp_replicate": 1, "dp_shard": 2, "tp": 1}},
+                "states": {"params": 100, "grads": 100, "optimizer": 100}}]
     measured = [[{"rank": 0, "params": 100, "grads": 100, "optimizer": 90, "notes": []},
                  {"rank": 1, "params": 100, "grads": 100, "optimizer": 110, "notes": []}]]
     res = memory_model.compare(planned, measured)

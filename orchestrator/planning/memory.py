@@ -162,7 +162,8 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     gradient lives until its reduce-scatter. zero2 (reshard_after_forward=False) keeps every
     block's gathered weights from its forward until its backward, so at the start of backward
     all of them exist at once; zero3 and hsdp re-gather per block and hold the block being
-    computed plus the one being prefetched. Gathered weights and their unsharded gradients are
+    computed plus the one being prefetched, except in a pipeline stage, which keeps them all
+    gathered through the step as zero2 does. Gathered weights and their unsharded gradients are
     in the layout's `compute` dtype (FSDP2's param_dtype); the shards are fp32. With a pipeline,
     `share` is what the rank's stage holds (its blocks; the embeddings or the head).
 
@@ -193,7 +194,9 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     if held_grad_bytes is not None:
         g = p * held_grad_bytes
     blocks = shape.layers if share is None else share.blocks
-    if strategy == "zero2":
+    if strategy == "zero2" or share is not None:
+        # A pipeline stage wraps without resharding after forward whatever the strategy
+        # (`resolve`: m micro-batches would gather m times), as zero2 does.
         gathered = p * layout.compute
     else:
         gathered = (root + min(FSDP_PREFETCH_BLOCKS, blocks) * per_block) * layout.compute
@@ -276,8 +279,10 @@ def rank_memory(
         # and a block's unsharded gradients only once the blocks run backward, when those
         # logits are gone. Two moments, and the fuller is the peak.
         # zero3 and hsdp reshard every unit after its forward, the root too, and gather none
-        # again before its own backward: none is gathered while the loss runs backward.
-        idle = st.unsharded_grads + (st.gathered if wrapping_of(strategy, tp) != Strategy.zero2 else 0.0)
+        # again before its own backward: none is gathered while the loss runs backward (in a
+        # pipeline they keep every unit gathered, as zero2 does).
+        resharded = wrapping_of(strategy, tp) != Strategy.zero2 and share is None
+        idle = st.unsharded_grads + (st.gathered if resharded else 0.0)
         # The blocks make their gradients one after another while each frees what it kept:
         # their backward is fullest of activations as it starts and of gradients as it ends.
         # Earlier micro-steps' gradients are there all along.
