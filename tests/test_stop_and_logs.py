@@ -172,3 +172,35 @@ def test_a_stopped_summary_counts_the_step_its_newest_checkpoint_proves(tmp_path
     (run.checkpoints / "step_00000003").mkdir()  # being written: not committed, proves nothing
     summary = stopped_summary(cfg, run, "SIGTERM", 1.0)
     assert summary["steps"] == 2 and len(summary["checkpoints"]) == 2
+
+
+def test_releasing_the_actors_waits_until_their_processes_have_exited(monkeypatch):
+    # Ray calls a killed actor dead before its process exits; in between, a rank's checkpoint
+    # thread committed a checkpoint (and pruned another) after the stopped run's summary had
+    # listed them (found by the SIGTERM test above, rarely).
+    import ray
+
+    from orchestrator.control import placement as pl
+
+    class Here:
+        def get_node_id(self):
+            return "this-node"
+
+    monkeypatch.setattr(ray, "kill", lambda *a, **k: None)
+    monkeypatch.setattr(ray, "wait", lambda *a, **k: ([], []))
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Here())
+    monkeypatch.setattr(pl, "remove_placement_group", lambda group: None)
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"])
+    elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        reports = [{"pid": lingering.pid, "node_id": "this-node"}, {"pid": elsewhere.pid, "node_id": "another-node"}]
+        t0 = time.monotonic()
+        pl.Placement(group=None, actors=[], reports=reports).release(wait_s=10.0)
+        waited = time.monotonic() - t0
+        # It returned once this node's process was gone (reaped or a zombie), and did not wait
+        # for a process it cannot see (another node's) until the limit.
+        assert lingering.poll() is not None or not pl._running(lingering.pid)
+        assert 0.5 < waited < 5.0, waited
+    finally:
+        lingering.kill()
+        elsewhere.kill()

@@ -10,6 +10,7 @@ runs, and a layout that differs from the plan stops the run before training.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -96,15 +97,40 @@ class Placement:
                 ray.kill(a, no_restart=True)
             except Exception:  # already dead: that is what we wanted
                 pass
+        deadline = time.monotonic() + wait_s
         try:
             # A call on a killed actor fails once it is dead.
             ray.wait([a.__ray_ready__.remote() for a in self.actors], num_returns=len(self.actors), timeout=wait_s)
         except Exception:
             pass
+        # Ray calls a killed actor dead before its process has exited, and in between a rank's
+        # checkpoint thread can still commit (and prune): wait for the processes this node can see.
+        try:
+            here = ray.get_runtime_context().get_node_id()
+        except Exception:
+            here = None
+        pids = [r["pid"] for r in self.reports if r.get("node_id") == here and r.get("pid")]
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         try:
             remove_placement_group(self.group)
         except Exception:
             pass
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs: it answered the signal
+        return True
 
 
 def domain_selectors(plan: Plan, labels: dict[str, dict[str, str]]) -> list[dict[str, str]]:
