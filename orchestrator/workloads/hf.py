@@ -41,10 +41,9 @@ def build(config: str, weights: str | None = None) -> nn.Module:
     # checkpointing) appends its keys and values to the cache again, which holds them, and the
     # recomputed block's other values with them, to the end of backward.
     cfg.use_cache = False
-    # A config's dtype is the one its checkpoint was saved in; training keeps fp32 master
-    # weights (autocast and FSDP2 compute in 16 bits), which transformers would otherwise build
-    # the model in that dtype, with Adam's moments after it. (transformers 5 renamed the
-    # argument, and warns at the old name.)
+    # A config's dtype is the one its checkpoint was saved in, and transformers would build the
+    # model in it, Adam's moments following. Training keeps fp32 master weights (autocast and
+    # FSDP2 compute in 16 bits). transformers 5 renamed the argument and warns at the old name.
     dtype_arg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     model = AutoModelForCausalLM.from_config(cfg, **{dtype_arg: torch.float32})
     if weights and not any(p.is_meta for p in model.parameters()):
