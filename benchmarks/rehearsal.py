@@ -16,11 +16,12 @@ Writes benchmarks/results/rehearsal.json.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, parse_args, print_table, run, write_result
+from _common import RESULTS, ROOT, parse_args, print_table, run, write_result
 
 MEMORY_GOAL = 0.10
 BYTES_GOAL = 0.05
@@ -132,7 +133,9 @@ def one_case(label: str, model: list[str], nodes: int, forced: list[str]) -> dic
 
 
 def options(ap) -> None:
-    ap.add_argument("--only", metavar="LABEL", help="run only the cases whose label contains LABEL")
+    ap.add_argument("--only", metavar="LABEL",
+                    help="run only the cases whose label contains LABEL; they replace their rows in the saved "
+                         "sweep of the same kind (quick or full), which keeps its other cases")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(one_case(label, model, nodes, forced))
         r = rows[-1]
         print(f"{label}: {r['seconds']} s" + (f" ({r['error']})" if r["error"] else ""), flush=True)
+    rerun = [r["label"] for r in rows] if args.only else []
+    rows = _merged(rows, args) if args.only else rows
     gb = 1e9
     table = []
     for r in rows:
@@ -171,13 +176,30 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"; not rehearsed: {', '.join(failed)}" if failed else ""))
     out = write_result("rehearsal", {
         "cases": rows, "max_memory_error": mem_worst, "max_bytes_error": bytes_worst, "unmatched_ops": unmatched,
-        "not_rehearsed": failed,
+        "not_rehearsed": failed, "rerun": rerun,
         "goal": {"memory_within": MEMORY_GOAL, "bytes_within": BYTES_GOAL,
                  "met": not failed and not unmatched and mem_worst is not None and mem_worst <= MEMORY_GOAL
                  and (bytes_worst or 0.0) <= BYTES_GOAL},
         "seconds": round(time.perf_counter() - t0, 1)}, args)
     print(f"wrote {out}")
     return 0
+
+
+def _merged(rows: list[dict], args) -> list[dict]:
+    """The saved sweep's cases with `rows` in place of those of the same label, in the sweep's
+    order, read from the file it writes (`--out` or the default): a change that only some cases
+    see is measured without rerunning the rest. A sweep of the other kind (quick or full) is
+    replaced, not merged into."""
+    saved = args.out or RESULTS / "rehearsal.json"
+    try:
+        old = json.loads(saved.read_text())
+    except (OSError, ValueError):
+        return rows
+    if bool(old.get("quick")) != bool(args.quick):
+        return rows
+    new = {r["label"]: r for r in rows}
+    merged = [new.pop(c["label"], c) for c in old.get("cases", [])]
+    return merged + list(new.values())
 
 
 def _pct(x: float | None) -> str:

@@ -75,12 +75,34 @@ def test_first_stage_holds_p_microbatches_under_1f1b_and_all_under_gpipe():
     assert il.in_flight(0) > one.in_flight(0)
 
 
+def test_the_interleaved_last_stage_keeps_one_micro_batchs_loss_beside_a_round_of_its_earlier_chunk():
+    # torch's interleaved warm-up: the last rank runs a round (4) of its first chunk, then one
+    # micro-batch of its last chunk, whose backward comes next. The loss's fp32 log-probs of
+    # that one micro-batch are kept, not of the 3.4 the rank's blocks average.
+    from orchestrator.planning.activations import FP32, activation_profile
+
+    pl = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 16, 2)
+    last = stage_share(GPT3, pl, 3)
+    assert pl.held(3) == (4, 1) and last.tail_in_flight == 1 and last.in_flight > 1
+    assert resolve_pipeline(GPT3, 4, "gpipe", 16).held(3) == (16,)
+    args = (GPT3, 1, 8, "none", 2)
+    flight = activation_profile(*args, blocks=last.blocks, last=True, in_flight=last.in_flight,
+                                tail_in_flight=last.tail_in_flight)
+    every = activation_profile(*args, blocks=last.blocks, last=True, in_flight=last.in_flight,
+                               tail_in_flight=last.in_flight)
+    log_probs = FP32 * GPT3.seq * GPT3.vocab
+    assert every.kept - flight.kept >= (last.in_flight - 1) * log_probs
+    # Its blocks' activations are still counted for every micro-batch in flight.
+    blocks = activation_profile(*args, blocks=last.blocks, last=False, in_flight=last.in_flight)
+    assert flight.kept > blocks.kept + log_probs
+
+
 def test_per_stage_memory_first_stage_activations_and_uneven_states():
     from orchestrator.planning.memory import byte_layout
 
     lay = byte_layout("bf16")
     pl = resolve_pipeline(GPT3, 8, "1f1b", 32)
-    mem = [rank_memory("ddp", GPT3, 8, 1, 1, "full", lay, 0.0, True, stage_share(GPT3, pl, s), pl.in_flight(s))
+    mem = [rank_memory("ddp", GPT3, 8, 1, 1, "full", lay, 0.0, True, stage_share(GPT3, pl, s))
            for s in range(8)]
     whole = rank_memory("ddp", GPT3, 8, 1, 1, "full", lay, 0.0, True)
     # Model states split across stages: each stage keeps far less than the whole model.

@@ -287,10 +287,16 @@ def test_the_benchmark_quick_mode_writes_its_figures(tmp_path):
     import rehearsal as bench
 
     out = tmp_path / "rehearsal.json"
+    # A case rerun alone replaces its row of the saved sweep and keeps the others.
+    kept = {"label": "gpt-s ddp 8", "memory_error": 0.5, "bytes_error": 0.0, "error": None, "unmatched_ops": [],
+            "mesh": {"pp": 1}, "rehearsal": {"ranks": [], "collectives": []}}
+    stale = dict(kept, label="llama-s zero3 16")
+    out.write_text(json.dumps({"quick": True, "cases": [stale, kept]}))
     assert bench.main(["--quick", "--only", "llama-s zero3", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["benchmark"] == "rehearsal" and data["quick"] is True
-    (case,) = data["cases"]
+    case, other = data["cases"]
+    assert other == kept and data["rerun"] == ["llama-s zero3 16"] and data["max_memory_error"] == 0.5
     assert case["error"] is None and case["world"] == 16 and case["rehearsal"]["ranks"]
     assert case["bytes_error"] == 0.0 and data["goal"]["bytes_within"] == 0.05
 

@@ -185,7 +185,7 @@ def _largest_weight_gradient(shape: ModelShape, tp: int) -> float:
 
 def activation_profile(
     shape: ModelShape, micro_batch: int, tp: int = 1, recompute: str = "none", values: ValueBytes | int = 2,
-    *, blocks: int | None = None, last: bool = True, in_flight: float = 1.0,
+    *, blocks: int | None = None, last: bool = True, in_flight: float = 1.0, tail_in_flight: float = 1.0,
 ) -> ActivationBytes:
     """Kept and transient activation bytes of one rank for a micro-batch of `micro_batch`
     sequences. `values`: what autocast leaves each kind of value (`value_bytes`), or one size
@@ -194,8 +194,9 @@ def activation_profile(
 
     A pipeline rank holds `blocks` of the model's blocks (all of them by default), the head and
     the loss only when it is the `last` stage, and keeps what its blocks save for `in_flight`
-    micro-batches at once (up to p on 1F1B's first stage); what backward adds on top is one
-    micro-batch's. A stage that is not the last keeps its output until the next stage sends
+    micro-batches at once (up to p on 1F1B's first stage), and what it keeps outside its
+    blocks (the loss's log-probabilities, a stage's output) for `tail_in_flight`, the
+    micro-batches of its last chunk in flight; what backward adds on top is one micro-batch's. A stage that is not the last keeps its output until the next stage sends
     its gradient back (torch's PipelineStage runs backward from it)."""
     _check(recompute, tp, micro_batch)
     v = values if isinstance(values, ValueBytes) else ValueBytes.uniform(values)
@@ -207,7 +208,8 @@ def activation_profile(
     else:
         one = _gpt(shape, b, tp, recompute, v, nblocks, last)
         copies, cached = gpt_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
-    kept = in_flight * one.kept + copies
+    in_blocks_kept = nblocks * one.block_kept
+    kept = in_flight * in_blocks_kept + tail_in_flight * (one.kept - in_blocks_kept) + copies
     in_blocks = kept - one.loss_kept + one.block_transient
     # The copies autocast caches but backward does not read die when forward ends, before
     # backward's temporaries exist: whichever is larger sits on top of what is kept.

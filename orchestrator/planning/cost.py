@@ -398,7 +398,7 @@ def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float,
     # stage with the most blocks.
     middle = range(1, pl.stages - 1)
     most = max(middle, key=lambda s: stage_share(ctx.shape, pl, s).blocks, default=0)
-    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s), in_flight=pl.in_flight(s),
+    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s),
                             held_grad_bytes=held, micro_steps=pl.microbatches)
                 for s in sorted({0, min(1, pl.stages - 1), most, pl.stages - 1})), key=lambda m: m.total)
 

@@ -242,7 +242,6 @@ def rank_memory(
     bucket_bytes: float,
     on_gpu: bool = True,
     share: StageShare | None = None,
-    in_flight: float = 1.0,
     held_grad_bytes: int | None = None,
     micro_steps: int = 1,
 ) -> MemoryBreakdown:
@@ -254,9 +253,9 @@ def rank_memory(
     the split matmuls is divided (no sequence parallelism), and the replicated output head keeps
     whole logits.
 
-    A pipeline rank (`share`) keeps its own blocks' activations for `in_flight` micro-batches
-    (`Pipeline.in_flight`: up to p on the first stage under 1F1B); the head's logits and the
-    loss sit on the last stage. `held_grad_bytes`: FSDP2's unsharded gradients kept between
+    A pipeline rank (`share`) keeps its own blocks' activations for `share.in_flight`
+    micro-batches (up to p on the first stage under 1F1B); the head's logits and the loss sit
+    on the last stage, for as many micro-batches as its last chunk has in flight. `held_grad_bytes`: FSDP2's unsharded gradients kept between
     micro-steps (`runtime_states`). `micro_steps`: the micro-batches a rank runs a step (the
     accumulation steps, or a pipeline's micro-batches): past the first, the gradients of the
     earlier ones are held while the loss's backward runs.
@@ -268,7 +267,8 @@ def rank_memory(
         profile = activation_profile(shape, micro_batch, tp, recompute, values)
     else:
         profile = activation_profile(shape, micro_batch, tp, recompute, values, blocks=share.blocks,
-                                     last=share.last, in_flight=in_flight)
+                                     last=share.last, in_flight=share.in_flight,
+                                     tail_in_flight=share.tail_in_flight)
     buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
     # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step long:
     # one peak, the largest activations beside them all.

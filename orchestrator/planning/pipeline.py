@@ -17,7 +17,10 @@ priced by the cost and memory models, executed by `runtime/pipeline.py`):
 - **Activations in flight.** GPipe keeps all m micro-batches' activations until the flush;
   1F1B keeps at most p - i on stage i (the first stage p, Narayanan Sec. 2.2.1); interleaved
   1F1B's first stage keeps about p (1 + (p-1)/(p v)) chunks' worth of micro-batches
-  (Korthikanti et al. 2022 Sec. 4.2.3), and the zero-bubble schedule as much as 1F1B.
+  (Korthikanti et al. 2022 Sec. 4.2.3), and the zero-bubble schedule as much as 1F1B. The
+  last chunk runs each micro-batch's backward right after its forward (but under GPipe), so
+  the last stage keeps the loss's log-probabilities of one micro-batch, however many of its
+  earlier chunks' it holds.
 - **Tied weights.** The GPT ties lm_head to wte. With p > 1 the first and last stages each keep
   a copy, and the runtime all-reduces the tied gradient between them (Megatron's way): each
   copy is counted in its stage's memory.
@@ -76,29 +79,35 @@ class Pipeline:
         """Idle time over busy time of one step: (p-1)/(v m), a third of it under zero bubble."""
         return bubble_fraction(self.schedule, self.stages, self.microbatches, self.virtual)
 
-    def in_flight(self, stage: int) -> float:
-        """Micro-batches whose activations (of all this rank's chunks) stage `stage` holds at its
+    def held(self, stage: int) -> tuple[int, ...]:
+        """Micro-batches of each of stage `stage`'s chunks whose activations it holds at its
         peak: its first backward, when every forward before it still holds what it saved.
 
         GPipe runs every forward first. 1F1B runs p - stage forwards before it. The interleaved
         schedules run torch's warmup (`_get_warmup_ops`: (v - 1) rounds of micro-batches, then
         two (one under zero bubble) forwards per hop from the last rank) and one more, in rounds
-        through the rank's chunks in turn; each such forward holds one chunk's share of the
-        rank's blocks. The last rank is no exception: it holds a round of its earlier chunks."""
+        through the rank's chunks in turn. The last rank is no exception: it holds a round of
+        its earlier chunks, and one micro-batch of its last."""
         p, m, v = self.stages, self.microbatches, self.virtual
-        if self.schedule == PipelineSchedule.gpipe or p == 1:
-            return float(m) if p > 1 else 1.0
+        if p == 1:
+            return (1,)
+        if self.schedule == PipelineSchedule.gpipe:
+            return (m,) * v
         if v == 1:
-            return float(min(m, p - stage))
+            return (min(m, p - stage),)
         per_round = m // max(1, m // p)
         hop = 1 if self.schedule == PipelineSchedule.zero_bubble else 2
         forwards = min((v - 1) * per_round + hop * (p - 1 - stage), m * v) + 1
-        chunks = self.chunks_of(stage)
         held = [0] * v
         for k in range(min(forwards, m * v)):
             held[(k // per_round) % v] += 1
-        blocks = [self.layers[c] for c in chunks]
-        return sum(n * b for n, b in zip(held, blocks)) / max(1, sum(blocks))
+        return tuple(held)
+
+    def in_flight(self, stage: int) -> float:
+        """Micro-batches of activations stage `stage` holds at its peak, weighted by the blocks
+        of each of its chunks (`held`)."""
+        blocks = [self.layers[c] for c in self.chunks_of(stage)]
+        return sum(n * b for n, b in zip(self.held(stage), blocks)) / max(1, sum(blocks))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -198,6 +207,11 @@ class StageShare:
     LayerNorm and the head on the last (the tied head a copy of wte when p > 1)."""
     first: bool
     last: bool
+    in_flight: float = 1.0
+    """Micro-batches whose block activations the rank holds at its peak (`Pipeline.in_flight`)."""
+    tail_in_flight: int = 1
+    """Micro-batches of its last chunk in flight then: what that chunk keeps outside its blocks
+    (on the last stage the loss's log-probabilities) is held that many times."""
     recv_buffers: int = 0
     """Receive buffers of one micro-batch's boundary activation the rank's stages hold all run
     long: torch's PipelineStage allocates one per micro-batch, up front, for the activation
@@ -218,7 +232,8 @@ def stage_share(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> Sta
     first, last = stage == 0, stage == (pipeline.chunks - 1) % pipeline.stages
     root = (shape.vocab + shape.seq) * h * first + (norm + shape.vocab * h) * last
     boundaries = sum((c > 0) + (c < pipeline.chunks - 1) for c in chunks)
-    return StageShare(blocks, root, first, last, recv_buffers=boundaries * pipeline.microbatches)
+    return StageShare(blocks, root, first, last, in_flight=pipeline.in_flight(stage),
+                      tail_in_flight=pipeline.held(stage)[-1], recv_buffers=boundaries * pipeline.microbatches)
 
 
 def stage_cost(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> float:
