@@ -128,6 +128,7 @@ def test_a_hugging_face_block_keeps_what_the_planner_counts_under_fsdp2(tmp_path
     from orchestrator.config import ModelConfig
     from orchestrator.planning.activations import activation_profile, value_bytes
     from orchestrator.planning.model_math import ModelShape
+    from orchestrator.planning.pipeline import StageShare
     from orchestrator.workloads.inspect import model_spec
 
     # A real model's width: the rotary tables each block casts for itself are a share of it of
@@ -153,7 +154,8 @@ def test_a_hugging_face_block_keeps_what_the_planner_counts_under_fsdp2(tmp_path
     measured = _saved_bytes(Block(), x, weights_bf16=True)
     shape = ModelShape.from_spec(spec)
     # One block of a stage without the head: what the block keeps, nothing else.
-    planned = activation_profile(shape, 1, 1, "none", value_bytes(2, 2, on_gpu=True), blocks=1, last=False).kept
+    planned = activation_profile(shape, 1, 1, "none", value_bytes(2, 2, on_gpu=True),
+                                 stage=StageShare(1, 0, False, False)).kept
     assert planned == pytest.approx(measured, rel=0.03), (planned, measured)
 
 

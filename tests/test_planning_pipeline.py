@@ -4,6 +4,7 @@ the Narayanan et al. 2021 (PTD-P) Table 1 oracle on DGX A100 clusters."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,15 +87,68 @@ def test_the_interleaved_last_stage_keeps_one_micro_batchs_loss_beside_a_round_o
     assert pl.held(3) == (4, 1) and last.tail_in_flight == 1 and last.in_flight > 1
     assert resolve_pipeline(GPT3, 4, "gpipe", 16).held(3) == (16,)
     args = (GPT3, 1, 8, "none", 2)
-    flight = activation_profile(*args, blocks=last.blocks, last=True, in_flight=last.in_flight,
-                                tail_in_flight=last.tail_in_flight)
-    every = activation_profile(*args, blocks=last.blocks, last=True, in_flight=last.in_flight,
-                               tail_in_flight=last.in_flight)
+    flight = activation_profile(*args, stage=last)
+    every = activation_profile(*args, stage=replace(last, tail_in_flight=4))
     log_probs = FP32 * GPT3.seq * GPT3.vocab
-    assert every.kept - flight.kept >= (last.in_flight - 1) * log_probs
+    assert every.kept - flight.kept >= 3 * log_probs
     # Its blocks' activations are still counted for every micro-batch in flight.
-    blocks = activation_profile(*args, blocks=last.blocks, last=False, in_flight=last.in_flight)
+    blocks = activation_profile(*args, stage=replace(last, last=False))
     assert flight.kept > blocks.kept + log_probs
+
+
+def test_a_stage_keeps_each_chunk_output_until_its_backward_the_last_its_logits():
+    """Found by rehearsal: torch's PipelineStage holds every forward's output for its backward,
+    so the last stage keeps a micro-batch's 16-bit logits beside the loss's fp32 log-probs."""
+    from orchestrator.planning.activations import ValueBytes, activation_profile
+
+    pl = resolve_pipeline(GPT3, 4, "1f1b", 16)
+    first, last = stage_share(GPT3, pl, 0), stage_share(GPT3, pl, 3)
+    assert (first.outputs_in_flight, last.outputs_in_flight) == (4, 1)
+    v = ValueBytes.uniform(2)
+    args = (GPT3, 2, 8, "full", v)
+    without = activation_profile(*args, stage=replace(last, outputs_in_flight=0))
+    logits = 2 * GPT3.seq * GPT3.vocab * 2
+    assert activation_profile(*args, stage=last).kept - without.kept == pytest.approx(logits)
+    without = activation_profile(*args, stage=replace(first, outputs_in_flight=0))
+    outputs = 4 * 2 * GPT3.seq * GPT3.hidden * 2
+    assert activation_profile(*args, stage=first).kept - without.kept == pytest.approx(outputs)
+
+
+def test_a_pipeline_whose_forwards_all_come_first_holds_no_gradient_at_its_peak():
+    """Found by rehearsal: with no more micro-batches than 1F1B's warm-up (or under GPipe), a
+    stage's most activations in flight come before any backward has made a gradient."""
+    from orchestrator.planning.memory import byte_layout
+
+    lay = byte_layout("bf16")
+    for schedule, m, backward_first in (("1f1b", 4, False), ("1f1b", 16, True), ("gpipe", 16, False)):
+        pl = resolve_pipeline(GPT3, 4, schedule, m)
+        share = stage_share(GPT3, pl, 0)
+        assert share.backward_before_peak is backward_first
+        args = ("zero3", GPT3, 8, 4, 1, "none", lay, 0.0, True)
+        mem = rank_memory(*args, share, micro_steps=m)
+        held = rank_memory(*args, replace(share, backward_before_peak=True), micro_steps=m)
+        if backward_first:
+            assert mem == held
+        else:
+            # The peak is the warm-up's: activations of every micro-batch, no gradient yet.
+            assert mem.total < held.total and mem.grads == 0
+
+
+def test_a_first_stage_makes_its_embedding_gradient_after_its_blocks_backward():
+    """Found by rehearsal: a first stage's root unit is its embeddings, whose gradient backward
+    makes last, once the micro-batch's activations are freed: it is not beside them."""
+    from orchestrator.planning.memory import byte_layout, runtime_states
+
+    lay = byte_layout("bf16")
+    pl = resolve_pipeline(GPT3, 4, "1f1b", 16)
+    first, last = stage_share(GPT3, pl, 0), stage_share(GPT3, pl, 3)
+    assert runtime_states("zero3", GPT3, 8, 4, lay, first).late_grads == first.root * lay.compute
+    assert runtime_states("zero3", GPT3, 8, 4, lay, last).late_grads == 0
+    assert runtime_states("zero3", GPT3, 8, 4, lay).late_grads == 0
+    args = ("zero3", GPT3, 8, 4, 1, "none", lay, 0.0, True)
+    mem = rank_memory(*args, first, micro_steps=16)
+    counted = rank_memory(*args, replace(first, first=False), micro_steps=16)
+    assert counted.total - mem.total == pytest.approx(first.root * lay.compute, rel=0.01)
 
 
 def test_per_stage_memory_first_stage_activations_and_uneven_states():

@@ -274,8 +274,10 @@ def test_a_stage_without_the_loss_is_not_charged_for_its_backward():
     from orchestrator.planning.activations import activation_profile
 
     shape = _llama_shape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192, ffn_dim=128)
-    first = activation_profile(shape, 2, values=2, blocks=1, last=False)
-    last = activation_profile(shape, 2, values=2, blocks=1, last=True)
+    from orchestrator.planning.pipeline import StageShare
+
+    first = activation_profile(shape, 2, values=2, stage=StageShare(1, 0, True, False))
+    last = activation_profile(shape, 2, values=2, stage=StageShare(1, 0, False, True))
     assert first.transient < 2 * 4 * shape.seq * shape.vocab < last.transient
 
 

@@ -22,9 +22,10 @@ of its own, as it keeps one of each fp32 weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .model_math import RECOMPUTE_MODES, ModelShape
+from .pipeline import StageShare
 
 # Per GPT block, in values of s*h (the fused-attention count of `gpt_block_values`).
 GPT_REPLICATED_VALUES = 4
@@ -76,6 +77,9 @@ class ActivationBytes:
     blocks_done: float = 0.0
     """What activations amount to as the blocks' backward ends, every block's gradients made:
     the first block's values and its backward (every other block has freed its own)."""
+    after_backward: float = 0.0
+    """What is left once the micro-batch's backward is done: the other micro-batches in flight
+    on a pipeline stage, nothing otherwise."""
 
     @property
     def peak(self) -> float:
@@ -185,36 +189,54 @@ def _largest_weight_gradient(shape: ModelShape, tp: int) -> float:
 
 def activation_profile(
     shape: ModelShape, micro_batch: int, tp: int = 1, recompute: str = "none", values: ValueBytes | int = 2,
-    *, blocks: int | None = None, last: bool = True, in_flight: float = 1.0, tail_in_flight: float = 1.0,
+    *, stage: StageShare | None = None,
 ) -> ActivationBytes:
     """Kept and transient activation bytes of one rank for a micro-batch of `micro_batch`
     sequences. `values`: what autocast leaves each kind of value (`value_bytes`), or one size
     for all (2 for a 16-bit model, 4 in fp32); log-sum-exps, LayerNorm statistics and the loss
     stay fp32 whatever it is.
 
-    A pipeline rank holds `blocks` of the model's blocks (all of them by default), the head and
-    the loss only when it is the `last` stage, and keeps what its blocks save for `in_flight`
-    micro-batches at once (up to p on 1F1B's first stage), and what it keeps outside its
-    blocks (the loss's log-probabilities, a stage's output) for `tail_in_flight`, the
-    micro-batches of its last chunk in flight; what backward adds on top is one micro-batch's. A stage that is not the last keeps its output until the next stage sends
-    its gradient back (torch's PipelineStage runs backward from it)."""
+    A pipeline rank (`stage`) holds its share of the blocks, the head and the loss only when it
+    is the last stage, and keeps what its blocks save for `stage.in_flight` micro-batches at
+    once (up to p on 1F1B's first stage), what its last chunk keeps outside its blocks (the
+    loss's log-probabilities) for `stage.tail_in_flight`, and its chunks' outputs until their
+    backward (`stage.outputs_in_flight`: the logits, on the last chunk); what backward adds on
+    top is one micro-batch's."""
     _check(recompute, tp, micro_batch)
     v = values if isinstance(values, ValueBytes) else ValueBytes.uniform(values)
     b = micro_batch
-    nblocks = shape.layers if blocks is None else blocks
+    nblocks, last = (shape.layers, True) if stage is None else (stage.blocks, stage.last)
     if shape.spec is not None:
         one = _measured(shape, b, tp, recompute, v, nblocks, last)
         copies, cached = _measured_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
     else:
         one = _gpt(shape, b, tp, recompute, v, nblocks, last)
         copies, cached = gpt_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
-    in_blocks_kept = nblocks * one.block_kept
-    kept = in_flight * in_blocks_kept + tail_in_flight * (one.kept - in_blocks_kept) + copies
+    kept = one.kept + copies
+    after = 0.0
+    if stage is not None:
+        in_blocks_kept = nblocks * one.block_kept
+        kept += (stage.in_flight - 1) * in_blocks_kept + (stage.tail_in_flight - 1) * (one.kept - in_blocks_kept)
+        kept += b * stage_output_bytes(shape, v, stage)
+        alone = replace(stage, in_flight=1.0, tail_in_flight=1, outputs_in_flight=min(1, stage.outputs_in_flight))
+        after = kept - copies - one.kept - b * stage_output_bytes(shape, v, alone)
     in_blocks = kept - one.loss_kept + one.block_transient
     # The copies autocast caches but backward does not read die when forward ends, before
     # backward's temporaries exist: whichever is larger sits on top of what is kept.
     return ActivationBytes(kept=kept, transient=max(one.transient, cached), in_blocks=in_blocks,
-                           blocks_done=in_blocks - max(0, nblocks - 1) * one.block_kept)
+                           blocks_done=in_blocks - max(0, nblocks - 1) * one.block_kept, after_backward=max(0.0, after))
+
+
+def stage_output_bytes(shape: ModelShape, v: ValueBytes, stage: StageShare) -> float:
+    """Bytes per sequence of the chunk outputs a pipeline rank holds for their backward: a
+    residual stream value per chunk and micro-batch in flight, and on the last stage the
+    logits autocast computed (whole: the head is replicated under tensor parallelism) for each
+    of its last chunk's. None without a pipeline (`outputs_in_flight` 0)."""
+    if not stage.outputs_in_flight:
+        return 0.0
+    logits = stage.tail_in_flight if stage.last else 0
+    sh = shape.seq * shape.hidden
+    return (stage.outputs_in_flight - logits) * sh * v.stream + logits * shape.seq * shape.vocab * v.act
 
 
 @dataclass(frozen=True)
@@ -232,7 +254,7 @@ class _OneMicroBatch:
 def _gpt(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes, blocks: int,
          last: bool) -> _OneMicroBatch:
     block = gpt_block_bytes(shape, tp, recompute, v)
-    tail = gpt_root_bytes(shape, v) if last else shape.seq * shape.hidden * v.stream
+    tail = gpt_root_bytes(shape, v) if last else 0.0
     kept = b * (blocks * block + tail)
     loss = b * LOSS_GRAD_BYTES * shape.seq * shape.vocab if last else 0.0
     # The gradients flowing down the residual stream are in its dtype.

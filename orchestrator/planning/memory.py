@@ -19,7 +19,7 @@ paper's layout (2 + 2 + 12), kept for its tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..choices import Precision, Strategy
 from .activations import ValueBytes, activation_profile, value_bytes
@@ -148,6 +148,9 @@ class StateBytes:
     unsharded_grads: float
     """Gradients FSDP2 holds unsharded (in its param_dtype) at the peak before reduce-scattering
     them (transient)."""
+    late_grads: float = 0.0
+    """Of `unsharded_grads`, what backward makes only once the blocks are done: a first pipeline
+    stage's root unit holds the embeddings alone, whose gradient comes last."""
 
 
 def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout,
@@ -200,7 +203,8 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
         gathered = p * layout.compute
     else:
         gathered = (root + min(FSDP_PREFETCH_BLOCKS, blocks) * per_block) * layout.compute
-    return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute)
+    late = root * layout.compute if share is not None and share.first and not share.last else 0.0
+    return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute, late)
 
 
 def buffer_bytes(
@@ -255,20 +259,16 @@ def rank_memory(
 
     A pipeline rank (`share`) keeps its own blocks' activations for `share.in_flight`
     micro-batches (up to p on the first stage under 1F1B); the head's logits and the loss sit
-    on the last stage, for as many micro-batches as its last chunk has in flight. `held_grad_bytes`: FSDP2's unsharded gradients kept between
-    micro-steps (`runtime_states`). `micro_steps`: the micro-batches a rank runs a step (the
-    accumulation steps, or a pipeline's micro-batches): past the first, the gradients of the
-    earlier ones are held while the loss's backward runs.
+    on the last stage, for as many micro-batches as its last chunk has in flight.
+    `held_grad_bytes`: FSDP2's unsharded gradients kept between micro-steps
+    (`runtime_states`). `micro_steps`: the micro-batches a rank runs a step (the accumulation
+    steps, or a pipeline's micro-batches): past the first, the gradients of the earlier ones
+    are held while the loss's backward runs, but where a pipeline runs every forward first.
     """
     st = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
     w, g, k = st.params, st.grads, st.optimizer
     values = forward_values(strategy, tp, layout, on_gpu)
-    if share is None:
-        profile = activation_profile(shape, micro_batch, tp, recompute, values)
-    else:
-        profile = activation_profile(shape, micro_batch, tp, recompute, values, blocks=share.blocks,
-                                     last=share.last, in_flight=share.in_flight,
-                                     tail_in_flight=share.tail_in_flight)
+    profile = activation_profile(shape, micro_batch, tp, recompute, values, stage=share)
     buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
     # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step long:
     # one peak, the largest activations beside them all.
@@ -287,7 +287,18 @@ def rank_memory(
         # their backward is fullest of activations as it starts and of gradients as it ends.
         # Earlier micro-steps' gradients are there all along.
         before = g if micro_steps > 1 else 0.0
-        phases = [(before, profile.peak, buf - idle), (before, profile.in_blocks, buf), (g, profile.blocks_done, buf)]
+        moments = [(before, profile)]
+        if share is not None and not share.backward_before_peak and micro_steps > 1:
+            # Every forward came first: no gradient beside the most in flight, and the second
+            # backward holds the first's gradients beside one micro-batch fewer.
+            fewer = replace(share, in_flight=share.in_flight - 1, tail_in_flight=max(1, share.tail_in_flight - 1),
+                            outputs_in_flight=share.outputs_in_flight - 1)
+            moments = [(0.0, profile), (g, activation_profile(shape, micro_batch, tp, recompute, values, stage=fewer))]
+        # A first stage's embedding gradient comes once its micro-batch's activations are freed.
+        late = st.late_grads
+        phases = [phase for held, p in moments
+                  for phase in ((held, p.peak, buf - idle), (held, p.in_blocks, buf - late),
+                                (g, p.blocks_done, buf - late), (g, p.after_backward, buf))]
     grads, act, buffers = max(phases, key=sum)
     parts = [int(round(x)) for x in (w, grads, k, act, buffers)]
     return MemoryBreakdown(*parts, total=sum(parts))

@@ -212,6 +212,15 @@ class StageShare:
     tail_in_flight: int = 1
     """Micro-batches of its last chunk in flight then: what that chunk keeps outside its blocks
     (on the last stage the loss's log-probabilities) is held that many times."""
+    outputs_in_flight: int = 0
+    """Outputs of its chunks it holds then, one per chunk and micro-batch in flight: torch's
+    PipelineStage keeps each until that micro-batch's backward (the last chunk's are the
+    logits). None without a pipeline, whose loss frees the logits."""
+    backward_before_peak: bool = True
+    """Whether a backward has made gradients by then: 1F1B's steady state holds as many
+    micro-batches as its warm-up did, beside the gradients of those done. Where every forward
+    comes first (GPipe, or no more micro-batches than the warm-up takes), the peak holds no
+    gradients yet, and the first backward after it one micro-batch fewer."""
     recv_buffers: int = 0
     """Receive buffers of one micro-batch's boundary activation the rank's stages hold all run
     long: torch's PipelineStage allocates one per micro-batch, up front, for the activation
@@ -232,8 +241,10 @@ def stage_share(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> Sta
     first, last = stage == 0, stage == (pipeline.chunks - 1) % pipeline.stages
     root = (shape.vocab + shape.seq) * h * first + (norm + shape.vocab * h) * last
     boundaries = sum((c > 0) + (c < pipeline.chunks - 1) for c in chunks)
-    return StageShare(blocks, root, first, last, in_flight=pipeline.in_flight(stage),
-                      tail_in_flight=pipeline.held(stage)[-1], recv_buffers=boundaries * pipeline.microbatches)
+    held = pipeline.held(stage)
+    return StageShare(blocks, root, first, last, in_flight=pipeline.in_flight(stage), tail_in_flight=held[-1],
+                      outputs_in_flight=sum(held), backward_before_peak=sum(held) < pipeline.microbatches * len(held),
+                      recv_buffers=boundaries * pipeline.microbatches)
 
 
 def stage_cost(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> float:
