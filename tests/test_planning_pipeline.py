@@ -76,6 +76,18 @@ def test_first_stage_holds_p_microbatches_under_1f1b_and_all_under_gpipe():
     assert il.in_flight(0) > one.in_flight(0)
 
 
+def test_each_stages_passes_run_in_torchs_order():
+    """The moments are read off the order torch's schedules run (`Schedule1F1B`, GPipe's
+    forwards first, `_get_1f1b_rank_ops` with `_get_warmup_ops` for the interleaved one)."""
+    one = resolve_pipeline(GPT3, 4, "1f1b", 6)
+    assert "".join("F" if f else "B" for f, _ in one.ops(1)) == "FFFBFBFBFBBB"
+    assert "".join("F" if f else "B" for f, _ in resolve_pipeline(GPT3, 2, "gpipe", 3).ops(0)) == "FFFBBB"
+    il = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 4, 2)
+    # Warm-up of stage 0: a round of chunk 0, then 2 per hop from the last rank (capped at m v).
+    assert il.ops(0) == ((True, 0),) * 4 + ((True, 1),) * 4 + ((False, 1),) * 4 + ((False, 0),) * 4
+    assert il.ops(3)[:6] == ((True, 0),) * 4 + ((True, 1), (False, 1))
+
+
 def test_the_interleaved_last_stage_keeps_one_micro_batchs_loss_beside_a_round_of_its_earlier_chunk():
     # torch's interleaved warm-up: the last rank runs a round (4) of its first chunk, then one
     # micro-batch of its last chunk, whose backward comes next. The loss's fp32 log-probs of
@@ -84,15 +96,17 @@ def test_the_interleaved_last_stage_keeps_one_micro_batchs_loss_beside_a_round_o
 
     pl = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 16, 2)
     last = stage_share(GPT3, pl, 3)
-    assert pl.held(3) == (4, 1) and last.tail_in_flight == 1 and last.in_flight > 1
-    assert resolve_pipeline(GPT3, 4, "gpipe", 16).held(3) == (16,)
+    assert pl.held(3) == (4, 1) and resolve_pipeline(GPT3, 4, "gpipe", 16).held(3) == (16,)
+    loss = [mo for mo in last.moments if mo.loss]
+    assert loss and all(mo.tail_in_flight == 1 and mo.in_flight > 1 for mo in loss)
+    mo = loss[0]
     args = (GPT3, 1, 8, "none", 2)
-    flight = activation_profile(*args, stage=last)
-    every = activation_profile(*args, stage=replace(last, tail_in_flight=4))
+    flight = activation_profile(*args, stage=last, moment=mo)
+    every = activation_profile(*args, stage=last, moment=replace(mo, tail_in_flight=4))
     log_probs = FP32 * GPT3.seq * GPT3.vocab
     assert every.kept - flight.kept >= 3 * log_probs
     # Its blocks' activations are still counted for every micro-batch in flight.
-    blocks = activation_profile(*args, stage=replace(last, last=False))
+    blocks = activation_profile(*args, stage=replace(last, last=False), moment=replace(mo, loss=False))
     assert flight.kept > blocks.kept + log_probs
 
 
@@ -103,15 +117,16 @@ def test_a_stage_keeps_each_chunk_output_until_its_backward_the_last_its_logits(
 
     pl = resolve_pipeline(GPT3, 4, "1f1b", 16)
     first, last = stage_share(GPT3, pl, 0), stage_share(GPT3, pl, 3)
-    assert (first.outputs_in_flight, last.outputs_in_flight) == (4, 1)
+    (mo_first,), (mo_last,) = first.moments, last.moments
+    assert (mo_first.outputs_in_flight, mo_last.outputs_in_flight) == (4, 1)
     v = ValueBytes.uniform(2)
     args = (GPT3, 2, 8, "full", v)
-    without = activation_profile(*args, stage=replace(last, outputs_in_flight=0))
+    without = activation_profile(*args, stage=last, moment=replace(mo_last, outputs_in_flight=0))
     logits = 2 * GPT3.seq * GPT3.vocab * 2
-    assert activation_profile(*args, stage=last).kept - without.kept == pytest.approx(logits)
-    without = activation_profile(*args, stage=replace(first, outputs_in_flight=0))
+    assert activation_profile(*args, stage=last, moment=mo_last).kept - without.kept == pytest.approx(logits)
+    without = activation_profile(*args, stage=first, moment=replace(mo_first, outputs_in_flight=0))
     outputs = 4 * 2 * GPT3.seq * GPT3.hidden * 2
-    assert activation_profile(*args, stage=first).kept - without.kept == pytest.approx(outputs)
+    assert activation_profile(*args, stage=first, moment=mo_first).kept - without.kept == pytest.approx(outputs)
 
 
 def test_a_pipeline_whose_forwards_all_come_first_holds_no_gradient_at_its_peak():
@@ -120,18 +135,21 @@ def test_a_pipeline_whose_forwards_all_come_first_holds_no_gradient_at_its_peak(
     from orchestrator.planning.memory import byte_layout
 
     lay = byte_layout("bf16")
-    for schedule, m, backward_first in (("1f1b", 4, False), ("1f1b", 16, True), ("gpipe", 16, False)):
+    for schedule, m, steady in (("1f1b", 4, True), ("1f1b", 16, True), ("gpipe", 16, False)):
         pl = resolve_pipeline(GPT3, 4, schedule, m)
         share = stage_share(GPT3, pl, 0)
-        assert share.backward_before_peak is backward_first
+        most = max(mo.in_flight for mo in share.moments)
+        # 1F1B's steady state holds as many in flight beside the gradients of those done.
+        assert any(mo.in_flight == most and mo.blocks_before == 1 for mo in share.moments) is (steady and m > 4)
         args = ("zero3", GPT3, 8, 4, 1, "none", lay, 0.0, True)
         mem = rank_memory(*args, share, micro_steps=m)
-        held = rank_memory(*args, replace(share, backward_before_peak=True), micro_steps=m)
-        if backward_first:
+        # Every gradient beside the most in flight: what the peak would be were all there.
+        held = rank_memory(*args, replace(share, moments=tuple(replace(mo, blocks_before=1.0, root_before=True)
+                                                               for mo in share.moments)), micro_steps=m)
+        if steady and m > 4:
             assert mem == held
         else:
-            # The peak is the warm-up's: activations of every micro-batch, no gradient yet.
-            assert mem.total < held.total and mem.grads == 0
+            assert mem.total < held.total
 
 
 def test_a_first_stage_makes_its_embedding_gradient_after_its_blocks_backward():

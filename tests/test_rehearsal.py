@@ -191,11 +191,11 @@ def test_full_recomputation_repeats_every_tensor_parallel_reduction_but_the_bloc
     _check_agreement(plan["rehearsal"], memory=False)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "gpipe"])
 def test_a_pipeline_rehearses_its_first_and_last_stage_and_their_point_to_point(capsys, schedule):
-    # Interleaved, the last rank holds a round of micro-batches of its earlier chunk when its
-    # first backward runs (torch's warmup): found by rehearsal, a Mistral 7B pp=4 plan's last
-    # stage 44% under.
+    # Each stage is priced at every backward of its schedule (found by rehearsal: interleaved,
+    # the last rank holds a round of micro-batches of its earlier chunk, a Mistral 7B pp=4
+    # plan's last stage was 44% under; GPipe's peak holds no gradient yet).
     code, plan, _ = _rehearse(capsys, "parallel.strategy=zero2", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
                               "model.args.n_layers=8", nodes=4)
     assert code == 0 and plan["mesh"]["pp"] == 2
@@ -347,6 +347,4 @@ def test_a_hugging_face_llama_rehearses_in_a_pipeline(capsys, tmp_path):
     assert [(r["rank"], r["stage"]) for r in report["ranks"]] == [(0, 0), (16, 1)]
     sends = [c for c in report["collectives"] if c["op"] in ("send", "recv")]
     assert sends and all(c["count"] == c["predicted_count"] and c["bytes"] == c["predicted_bytes"] for c in sends)
-    # Memory per stage is benchmarks/rehearsal.py's (its 13B pp plan): at a shape this small the
-    # planner overstates the first stage's for every model alike, the built-in Llama's too.
-    _check_agreement(report, memory=False)
+    _check_agreement(report)

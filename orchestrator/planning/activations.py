@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .model_math import RECOMPUTE_MODES, ModelShape
-from .pipeline import StageShare
+from .pipeline import Moment, StageShare, whole_model_moment
 
 # Per GPT block, in values of s*h (the fused-attention count of `gpt_block_values`).
 GPT_REPLICATED_VALUES = 4
@@ -189,54 +189,58 @@ def _largest_weight_gradient(shape: ModelShape, tp: int) -> float:
 
 def activation_profile(
     shape: ModelShape, micro_batch: int, tp: int = 1, recompute: str = "none", values: ValueBytes | int = 2,
-    *, stage: StageShare | None = None,
+    *, stage: StageShare | None = None, moment: Moment | None = None,
 ) -> ActivationBytes:
     """Kept and transient activation bytes of one rank for a micro-batch of `micro_batch`
-    sequences. `values`: what autocast leaves each kind of value (`value_bytes`), or one size
+    sequences, at the start of one of its backwards (`moment`; the whole model's one by
+    default). `values`: what autocast leaves each kind of value (`value_bytes`), or one size
     for all (2 for a 16-bit model, 4 in fp32); log-sum-exps, LayerNorm statistics and the loss
     stay fp32 whatever it is.
 
     A pipeline rank (`stage`) holds its share of the blocks, the head and the loss only when it
-    is the last stage, and keeps what its blocks save for `stage.in_flight` micro-batches at
-    once (up to p on 1F1B's first stage), what its last chunk keeps outside its blocks (the
-    loss's log-probabilities) for `stage.tail_in_flight`, and its chunks' outputs until their
-    backward (`stage.outputs_in_flight`: the logits, on the last chunk); what backward adds on
-    top is one micro-batch's."""
+    is the last stage. At `moment` it keeps what its blocks save for `moment.in_flight`
+    micro-batches, what its last chunk keeps outside its blocks (the loss's log-probabilities)
+    for `moment.tail_in_flight`, and its chunks' outputs (`moment.outputs_in_flight`: the
+    logits, on the last chunk); what the backward adds on top is one micro-batch's: the
+    loss's gradients where it starts with the loss, a block's otherwise."""
     _check(recompute, tp, micro_batch)
     v = values if isinstance(values, ValueBytes) else ValueBytes.uniform(values)
     b = micro_batch
     nblocks, last = (shape.layers, True) if stage is None else (stage.blocks, stage.last)
+    mo = moment or whole_model_moment(nblocks, 1)
     if shape.spec is not None:
         one = _measured(shape, b, tp, recompute, v, nblocks, last)
         copies, cached = _measured_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
     else:
         one = _gpt(shape, b, tp, recompute, v, nblocks, last)
         copies, cached = gpt_weight_copy_bytes(shape, tp, recompute, v, nblocks, last)
-    kept = one.kept + copies
-    after = 0.0
-    if stage is not None:
-        in_blocks_kept = nblocks * one.block_kept
-        kept += (stage.in_flight - 1) * in_blocks_kept + (stage.tail_in_flight - 1) * (one.kept - in_blocks_kept)
-        kept += b * stage_output_bytes(shape, v, stage)
-        alone = replace(stage, in_flight=1.0, tail_in_flight=1, outputs_in_flight=min(1, stage.outputs_in_flight))
-        after = kept - copies - one.kept - b * stage_output_bytes(shape, v, alone)
-    in_blocks = kept - one.loss_kept + one.block_transient
+    blocks_kept = nblocks * one.block_kept
+    tail = one.kept - blocks_kept
+    kept = mo.in_flight * blocks_kept + mo.tail_in_flight * tail + b * stage_output_bytes(shape, v, mo, last) + copies
+    # The backward frees one micro-batch of its chunk: that chunk's blocks' values, its output,
+    # and (the last chunk) what it keeps outside them.
+    alone = replace(mo, tail_in_flight=1, outputs_in_flight=min(1, mo.outputs_in_flight))
+    freed = mo.blocks * one.block_kept + (tail + b * stage_output_bytes(shape, v, alone, last) if mo.loss else
+                                           b * stage_output_bytes(shape, v, alone, False))
+    loss_kept, transient = (one.loss_kept, one.transient) if mo.loss else (0.0, one.block_transient)
+    in_blocks = kept - loss_kept + one.block_transient
     # The copies autocast caches but backward does not read die when forward ends, before
     # backward's temporaries exist: whichever is larger sits on top of what is kept.
-    return ActivationBytes(kept=kept, transient=max(one.transient, cached), in_blocks=in_blocks,
-                           blocks_done=in_blocks - max(0, nblocks - 1) * one.block_kept, after_backward=max(0.0, after))
+    return ActivationBytes(kept=kept, transient=max(transient, cached), in_blocks=in_blocks,
+                           blocks_done=in_blocks - max(0, mo.blocks - 1) * one.block_kept,
+                           after_backward=max(0.0, kept - copies - freed))
 
 
-def stage_output_bytes(shape: ModelShape, v: ValueBytes, stage: StageShare) -> float:
+def stage_output_bytes(shape: ModelShape, v: ValueBytes, moment: Moment, last: bool) -> float:
     """Bytes per sequence of the chunk outputs a pipeline rank holds for their backward: a
-    residual stream value per chunk and micro-batch in flight, and on the last stage the
+    residual stream value per chunk and micro-batch in flight, and on the `last` stage the
     logits autocast computed (whole: the head is replicated under tensor parallelism) for each
     of its last chunk's. None without a pipeline (`outputs_in_flight` 0)."""
-    if not stage.outputs_in_flight:
+    if not moment.outputs_in_flight:
         return 0.0
-    logits = stage.tail_in_flight if stage.last else 0
+    logits = moment.tail_in_flight if last else 0
     sh = shape.seq * shape.hidden
-    return (stage.outputs_in_flight - logits) * sh * v.stream + logits * shape.seq * shape.vocab * v.act
+    return (moment.outputs_in_flight - logits) * sh * v.stream + logits * shape.seq * shape.vocab * v.act
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ paper's layout (2 + 2 + 12), kept for its tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from ..choices import Precision, Strategy
 from .activations import ValueBytes, activation_profile, value_bytes
 from .model_math import ModelShape, root_params, tp_param_split
-from .pipeline import StageShare
+from .pipeline import StageShare, whole_model_moment
 from .resolve import resolve_precision, wrapping_of
 
 STRATEGIES = Strategy.concrete()
@@ -151,6 +151,8 @@ class StateBytes:
     late_grads: float = 0.0
     """Of `unsharded_grads`, what backward makes only once the blocks are done: a first pipeline
     stage's root unit holds the embeddings alone, whose gradient comes last."""
+    root_grads: float = 0.0
+    """Of `grads`, the parameters' outside the blocks (embeddings, head, final norm)."""
 
 
 def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout,
@@ -204,7 +206,7 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     else:
         gathered = (root + min(FSDP_PREFETCH_BLOCKS, blocks) * per_block) * layout.compute
     late = root * layout.compute if share is not None and share.first and not share.last else 0.0
-    return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute, late)
+    return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute, late, g * root / p if p else 0.0)
 
 
 def buffer_bytes(
@@ -257,48 +259,49 @@ def rank_memory(
     the split matmuls is divided (no sequence parallelism), and the replicated output head keeps
     whole logits.
 
-    A pipeline rank (`share`) keeps its own blocks' activations for `share.in_flight`
-    micro-batches (up to p on the first stage under 1F1B); the head's logits and the loss sit
-    on the last stage, for as many micro-batches as its last chunk has in flight.
-    `held_grad_bytes`: FSDP2's unsharded gradients kept between micro-steps
-    (`runtime_states`). `micro_steps`: the micro-batches a rank runs a step (the accumulation
-    steps, or a pipeline's micro-batches): past the first, the gradients of the earlier ones
-    are held while the loss's backward runs, but where a pipeline runs every forward first.
+    A pipeline rank (`share`) is priced at the start of each of its backwards as its schedule
+    runs them (`share.moments`): its blocks' activations of the micro-batches in flight then
+    (up to p on the first stage under 1F1B), its chunks' outputs, the head's logits and the
+    loss on the last stage, beside the gradients its earlier backwards made; the fullest
+    moment is the peak. `held_grad_bytes`: FSDP2's unsharded gradients kept between
+    micro-steps (`runtime_states`). `micro_steps`: without a pipeline, the accumulation steps:
+    past the first, the gradients of the earlier ones are held while the loss's backward runs.
     """
     st = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
     w, g, k = st.params, st.grads, st.optimizer
     values = forward_values(strategy, tp, layout, on_gpu)
-    profile = activation_profile(shape, micro_batch, tp, recompute, values, stage=share)
     buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
-    # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step long:
-    # one peak, the largest activations beside them all.
-    phases = [(g, profile.peak, buf)]
-    if wrapping_of(strategy, tp) not in (Strategy.ddp, Strategy.zero1):
-        # FSDP2 makes its gradients in backward: none exist when the loss's backward holds the
-        # logits' gradients (the first micro-step's, and the only one's without accumulation),
-        # and a block's unsharded gradients only once the blocks run backward, when those
-        # logits are gone. Two moments, and the fuller is the peak.
-        # zero3 and hsdp reshard every unit after its forward, the root too, and gather none
-        # again before its own backward: none is gathered while the loss runs backward (in a
-        # pipeline they keep every unit gathered, as zero2 does).
-        resharded = wrapping_of(strategy, tp) != Strategy.zero2 and share is None
-        idle = st.unsharded_grads + (st.gathered if resharded else 0.0)
-        # The blocks make their gradients one after another while each frees what it kept:
-        # their backward is fullest of activations as it starts and of gradients as it ends.
-        # Earlier micro-steps' gradients are there all along.
-        before = g if micro_steps > 1 else 0.0
-        moments = [(before, profile)]
-        if share is not None and not share.backward_before_peak and micro_steps > 1:
-            # Every forward came first: no gradient beside the most in flight, and the second
-            # backward holds the first's gradients beside one micro-batch fewer.
-            fewer = replace(share, in_flight=share.in_flight - 1, tail_in_flight=max(1, share.tail_in_flight - 1),
-                            outputs_in_flight=share.outputs_in_flight - 1)
-            moments = [(0.0, profile), (g, activation_profile(shape, micro_batch, tp, recompute, values, stage=fewer))]
-        # A first stage's embedding gradient comes once its micro-batch's activations are freed.
-        late = st.late_grads
-        phases = [phase for held, p in moments
-                  for phase in ((held, p.peak, buf - idle), (held, p.in_blocks, buf - late),
-                                (g, p.blocks_done, buf - late), (g, p.after_backward, buf))]
+    fsdp = wrapping_of(strategy, tp) not in (Strategy.ddp, Strategy.zero1)
+    # zero3 and hsdp reshard every unit after its forward, the root too, and gather none again
+    # before its own backward: none is gathered while the loss runs backward (in a pipeline
+    # they keep every unit gathered, as zero2 does).
+    resharded = wrapping_of(strategy, tp) != Strategy.zero2 and share is None
+    idle = st.unsharded_grads + (st.gathered if resharded else 0.0)
+    # A first stage's embedding gradient comes once its micro-batch's activations are freed.
+    late = st.late_grads
+    phases = []
+    moments = share.moments if share is not None and share.moments else (
+        whole_model_moment(shape.layers if share is None else share.blocks, micro_steps),)
+    for mo in moments:
+        profile = activation_profile(shape, micro_batch, tp, recompute, values, stage=share, moment=mo)
+        if not fsdp:
+            # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step
+            # long: one peak, the largest activations beside them all.
+            phases.append((g, profile.peak, buf))
+            continue
+        # FSDP2 makes its gradients in backward: none of this backward's exist when the loss's
+        # backward holds the logits' gradients, and a block's unsharded gradients only once the
+        # blocks run backward, when those logits are gone. The blocks make their gradients one
+        # after another while each frees what it kept: their backward is fullest of activations
+        # as it starts and of gradients as it ends. Earlier backwards' gradients are there all
+        # along.
+        rg = st.root_grads
+        before = (g - rg) * mo.blocks_before + rg * mo.root_before
+        after = (g - rg) * mo.blocks_after + rg * mo.root_after
+        # The embeddings' unsharded gradient is made at the end of each backward of their chunk.
+        made_late = late if mo.makes_root else 0.0
+        phases += [(before, profile.peak, buf - idle), (before, profile.in_blocks, buf - late),
+                   (after, profile.blocks_done, buf - late), (after, profile.after_backward, buf - late + made_late)]
     grads, act, buffers = max(phases, key=sum)
     parts = [int(round(x)) for x in (w, grads, k, act, buffers)]
     return MemoryBreakdown(*parts, total=sum(parts))

@@ -17,10 +17,14 @@ priced by the cost and memory models, executed by `runtime/pipeline.py`):
 - **Activations in flight.** GPipe keeps all m micro-batches' activations until the flush;
   1F1B keeps at most p - i on stage i (the first stage p, Narayanan Sec. 2.2.1); interleaved
   1F1B's first stage keeps about p (1 + (p-1)/(p v)) chunks' worth of micro-batches
-  (Korthikanti et al. 2022 Sec. 4.2.3), and the zero-bubble schedule as much as 1F1B. The
-  last chunk runs each micro-batch's backward right after its forward (but under GPipe), so
-  the last stage keeps the loss's log-probabilities of one micro-batch, however many of its
-  earlier chunks' it holds.
+  (Korthikanti et al. 2022 Sec. 4.2.3), and the zero-bubble schedule as much as 1F1B. What
+  a rank holds is read off its passes in the order torch's schedule runs them (`ops`): at the
+  start of each backward (`Moment`), its micro-batches in flight per chunk, its chunks'
+  outputs (torch keeps each until its backward; the last chunk's are the logits) and the
+  share of its gradients made. The last chunk runs each micro-batch's backward right after
+  its forward (but under GPipe), so the last stage keeps the loss's log-probabilities of one
+  micro-batch, however many of its earlier chunks' it holds; and where every forward comes
+  first, the most in flight sits beside no gradient yet.
 - **Tied weights.** The GPT ties lm_head to wte. With p > 1 the first and last stages each keep
   a copy, and the runtime all-reduces the tied gradient between them (Megatron's way): each
   copy is counted in its stage's memory.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import Iterator
 
 from ..choices import PipelineSchedule
 from .model_math import ModelShape
@@ -79,33 +84,65 @@ class Pipeline:
         """Idle time over busy time of one step: (p-1)/(v m), a third of it under zero bubble."""
         return bubble_fraction(self.schedule, self.stages, self.microbatches, self.virtual)
 
-    def held(self, stage: int) -> tuple[int, ...]:
-        """Micro-batches of each of stage `stage`'s chunks whose activations it holds at its
-        peak: its first backward, when every forward before it still holds what it saved.
+    def ops(self, stage: int) -> tuple[tuple[bool, int], ...]:
+        """Stage `stage`'s passes in the order torch's schedule runs them: (forward?, local
+        chunk index) each.
 
-        GPipe runs every forward first. 1F1B runs p - stage forwards before it. The interleaved
-        schedules run torch's warmup (`_get_warmup_ops`: (v - 1) rounds of micro-batches, then
-        two (one under zero bubble) forwards per hop from the last rank) and one more, in rounds
-        through the rank's chunks in turn. The last rank is no exception: it holds a round of
-        its earlier chunks, and one micro-batch of its last."""
+        GPipe runs every forward first. 1F1B runs min(m, p - stage) forwards, then a backward
+        and a forward in turn (`Schedule1F1B`). The interleaved schedules run torch's warm-up
+        (`_get_warmup_ops`: (v - 1) rounds of micro-batches, then two forwards, one under zero
+        bubble, per hop from the last rank), then a forward and a backward in turn
+        (`_get_1f1b_rank_ops`): forwards in rounds through the rank's chunks in order,
+        backwards in rounds from its last chunk down. Zero bubble's split backward is taken
+        whole."""
+        return tuple(self._passes(stage))
+
+    def _passes(self, stage: int, periods: bool = True) -> Iterator[tuple[bool, int]]:
+        """`ops` one by one. Without `periods`, the steady state's repeats are left out: it
+        runs the same passes every round through the chunks, holding the same then."""
         p, m, v = self.stages, self.microbatches, self.virtual
-        if p == 1:
-            return (1,)
-        if self.schedule == PipelineSchedule.gpipe:
-            return (m,) * v
+        if p == 1 or self.schedule == PipelineSchedule.gpipe:
+            yield from ((True, c) for c in range(v) for _ in range(m))
+            yield from ((False, c) for c in reversed(range(v)) for _ in range(m))
+            return
         if v == 1:
-            return (min(m, p - stage),)
+            warmup = min(m, p - stage)
+            steady = m - warmup if periods else min(m - warmup, 2)
+            yield from [(True, 0)] * warmup + [(False, 0), (True, 0)] * steady + [(False, 0)] * warmup
+            return
         per_round = m // max(1, m // p)
         hop = 1 if self.schedule == PipelineSchedule.zero_bubble else 2
-        forwards = min((v - 1) * per_round + hop * (p - 1 - stage), m * v) + 1
-        held = [0] * v
-        for k in range(min(forwards, m * v)):
-            held[(k // per_round) % v] += 1
+        warmup = min((v - 1) * per_round + hop * (p - 1 - stage), m * v)
+        yield from ((True, (k // per_round) % v) for k in range(warmup))
+        period, pairs, k = per_round * v, m * v - warmup, 0
+        while k < m * v:
+            if warmup + k < m * v:
+                yield True, ((warmup + k) // per_round) % v
+            yield False, v - 1 - (k // per_round) % v
+            k += 1
+            if not periods and k == period and pairs - k > 2 * period:
+                k += ((pairs - k) // period - 1) * period
+
+    def moments(self, stage: int) -> tuple["Moment", ...]:
+        """The starts of stage `stage`'s backwards (`ops`) and what the rank holds at each,
+        less those another one holds at least as much at (same chunk size and loss)."""
+        return _moments(self, stage)
+
+    def held(self, stage: int) -> tuple[int, ...]:
+        """Micro-batches of each of stage `stage`'s chunks whose activations it holds at its
+        first backward, when every forward before it still holds what it saved (`ops`). The
+        last rank of an interleaved schedule is no exception: it holds a round of its earlier
+        chunks, and one micro-batch of its last."""
+        held = [0] * self.virtual
+        for forward, chunk in self._passes(stage):
+            if not forward:
+                break
+            held[chunk] += 1
         return tuple(held)
 
     def in_flight(self, stage: int) -> float:
-        """Micro-batches of activations stage `stage` holds at its peak, weighted by the blocks
-        of each of its chunks (`held`)."""
+        """Micro-batches of activations stage `stage` holds at its first backward, weighted by
+        the blocks of each of its chunks (`held`)."""
         blocks = [self.layers[c] for c in self.chunks_of(stage)]
         return sum(n * b for n, b in zip(self.held(stage), blocks)) / max(1, sum(blocks))
 
@@ -197,6 +234,92 @@ def resolve_pipeline(shape: ModelShape, stages: int, schedule: PipelineSchedule 
 
 
 @dataclass(frozen=True)
+class Moment:
+    """The start of one backward of a rank, as its schedule runs: what the rank holds then."""
+
+    in_flight: float
+    """Micro-batches of its blocks' activations held (forward done, backward not), weighted by
+    the blocks of each of its chunks; the backward starting counts."""
+    tail_in_flight: int
+    """Micro-batches of its last chunk held: what that chunk keeps outside its blocks (on the
+    last stage the loss's log-probabilities) is held that many times."""
+    outputs_in_flight: int
+    """Chunk outputs held, one per chunk and micro-batch in flight: torch's PipelineStage keeps
+    each until that micro-batch's backward (the last chunk's are the logits). None without a
+    pipeline, whose loss frees the logits."""
+    blocks: int
+    """Blocks of the chunk this backward runs: what it frees as it goes."""
+    blocks_before: float
+    """Share of the rank's blocks whose gradients earlier backwards (or micro-steps) made."""
+    blocks_after: float
+    """Share made once this backward is done."""
+    root_before: bool
+    """Whether the gradient of the rank's parameters outside its blocks (the embeddings of the
+    first stage's first chunk, the head of the last stage's last chunk) exists already."""
+    makes_root: bool
+    """Whether this backward runs the chunk that holds them (and so makes their gradient)."""
+    loss: bool
+    """Whether this backward starts with the loss's: the model's last chunk (no pipeline: the
+    whole model)."""
+
+    @property
+    def root_after(self) -> bool:
+        return self.root_before or self.makes_root
+
+
+def whole_model_moment(blocks: int, micro_steps: int) -> Moment:
+    """A rank without a pipeline: one micro-batch in flight, the gradients of earlier
+    micro-steps (accumulation) there from the start of its backward."""
+    earlier = micro_steps > 1
+    return Moment(1.0, 1, 0, blocks, float(earlier), 1.0, earlier, True, True)
+
+
+@lru_cache(maxsize=4096)
+def _moments(pipeline: Pipeline, stage: int) -> tuple[Moment, ...]:
+    chunks = pipeline.chunks_of(stage)
+    blocks = [pipeline.layers[c] for c in chunks]
+    total = max(1, sum(blocks))
+    last = len(chunks) - 1
+    loss_chunk = last if chunks[-1] == pipeline.chunks - 1 else None
+    root = 0 if stage == 0 else loss_chunk
+    held = [0] * len(chunks)
+    done = [False] * len(chunks)
+    weighted = outputs = made = 0
+    found: dict[Moment, None] = {}  # in order, once each: a steady state repeats one moment
+    for forward, c in pipeline._passes(stage, periods=False):
+        if forward:
+            held[c] += 1
+            weighted += blocks[c]
+            outputs += 1
+            continue
+        before, root_before = made / total, root is not None and done[root]
+        if not done[c]:
+            done[c] = True
+            made += blocks[c]
+        found[Moment(weighted / total, held[last], outputs, blocks[c], before, made / total, root_before,
+                     c == root, c == loss_chunk)] = None
+        held[c] -= 1
+        weighted -= blocks[c]
+        outputs -= 1
+    # A moment another holds at least as much at (same chunk size and role) cannot be the peak.
+    groups: dict[tuple, list[tuple]] = {}
+    for mo in found:
+        groups.setdefault((mo.blocks, mo.loss, mo.makes_root), []).append(
+            (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before, mo.blocks_after, mo.root_before))
+    covered = set()
+    for key, vals in groups.items():
+        front: list[tuple] = []
+        for a in sorted(vals, reverse=True):
+            if any(all(x >= y for x, y in zip(f, a)) for f in front):
+                covered.add((key, a))
+            else:
+                front.append(a)
+    return tuple(mo for mo in found if ((mo.blocks, mo.loss, mo.makes_root),
+                                        (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before,
+                                         mo.blocks_after, mo.root_before)) not in covered)
+
+
+@dataclass(frozen=True)
 class StageShare:
     """What one pipeline rank holds of the model."""
 
@@ -207,20 +330,8 @@ class StageShare:
     LayerNorm and the head on the last (the tied head a copy of wte when p > 1)."""
     first: bool
     last: bool
-    in_flight: float = 1.0
-    """Micro-batches whose block activations the rank holds at its peak (`Pipeline.in_flight`)."""
-    tail_in_flight: int = 1
-    """Micro-batches of its last chunk in flight then: what that chunk keeps outside its blocks
-    (on the last stage the loss's log-probabilities) is held that many times."""
-    outputs_in_flight: int = 0
-    """Outputs of its chunks it holds then, one per chunk and micro-batch in flight: torch's
-    PipelineStage keeps each until that micro-batch's backward (the last chunk's are the
-    logits). None without a pipeline, whose loss frees the logits."""
-    backward_before_peak: bool = True
-    """Whether a backward has made gradients by then: 1F1B's steady state holds as many
-    micro-batches as its warm-up did, beside the gradients of those done. Where every forward
-    comes first (GPipe, or no more micro-batches than the warm-up takes), the peak holds no
-    gradients yet, and the first backward after it one micro-batch fewer."""
+    moments: tuple[Moment, ...] = ()
+    """The starts of its backwards (`Pipeline.moments`); none without a pipeline."""
     recv_buffers: int = 0
     """Receive buffers of one micro-batch's boundary activation the rank's stages hold all run
     long: torch's PipelineStage allocates one per micro-batch, up front, for the activation
@@ -241,9 +352,7 @@ def stage_share(shape: ModelShape, pipeline: Pipeline | None, stage: int) -> Sta
     first, last = stage == 0, stage == (pipeline.chunks - 1) % pipeline.stages
     root = (shape.vocab + shape.seq) * h * first + (norm + shape.vocab * h) * last
     boundaries = sum((c > 0) + (c < pipeline.chunks - 1) for c in chunks)
-    held = pipeline.held(stage)
-    return StageShare(blocks, root, first, last, in_flight=pipeline.in_flight(stage), tail_in_flight=held[-1],
-                      outputs_in_flight=sum(held), backward_before_peak=sum(held) < pipeline.microbatches * len(held),
+    return StageShare(blocks, root, first, last, moments=pipeline.moments(stage),
                       recv_buffers=boundaries * pipeline.microbatches)
 
 
