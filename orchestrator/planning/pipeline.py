@@ -128,24 +128,6 @@ class Pipeline:
         less those another one holds at least as much at (same chunk size and loss)."""
         return _moments(self, stage)
 
-    def held(self, stage: int) -> tuple[int, ...]:
-        """Micro-batches of each of stage `stage`'s chunks whose activations it holds at its
-        first backward, when every forward before it still holds what it saved (`ops`). The
-        last rank of an interleaved schedule is no exception: it holds a round of its earlier
-        chunks, and one micro-batch of its last."""
-        held = [0] * self.virtual
-        for forward, chunk in self._passes(stage):
-            if not forward:
-                break
-            held[chunk] += 1
-        return tuple(held)
-
-    def in_flight(self, stage: int) -> float:
-        """Micro-batches of activations stage `stage` holds at its first backward, weighted by
-        the blocks of each of its chunks (`held`)."""
-        blocks = [self.layers[c] for c in self.chunks_of(stage)]
-        return sum(n * b for n, b in zip(self.held(stage), blocks)) / max(1, sum(blocks))
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["schedule"], d["layers"] = str(self.schedule), list(self.layers)
