@@ -83,13 +83,29 @@ def test_first_stage_holds_p_microbatches_under_1f1b_and_all_under_gpipe():
 def test_each_stages_passes_run_in_torchs_order():
     """The moments are read off the order torch's schedules run (`Schedule1F1B`, GPipe's
     forwards first, `_get_1f1b_rank_ops` with `_get_warmup_ops` for the interleaved one)."""
-    one = resolve_pipeline(GPT3, 4, "1f1b", 6)
-    assert "".join("F" if f else "B" for f, _ in one.ops(1)) == "FFFBFBFBFBBB"
-    assert "".join("F" if f else "B" for f, _ in resolve_pipeline(GPT3, 2, "gpipe", 3).ops(0)) == "FFFBBB"
+
+    def kinds(pl, stage):
+        return "".join("F" if f else "B" for f, _, _ in pl.ops(stage))
+
+    assert kinds(resolve_pipeline(GPT3, 4, "1f1b", 6), 1) == "FFFBFBFBFBBB"
+    assert kinds(resolve_pipeline(GPT3, 2, "gpipe", 3), 0) == "FFFBBB"
     il = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 4, 2)
-    # Warm-up of stage 0: a round of chunk 0, then 2 per hop from the last rank (capped at m v).
-    assert il.ops(0) == ((True, 0),) * 4 + ((True, 1),) * 4 + ((False, 1),) * 4 + ((False, 0),) * 4
-    assert il.ops(3)[:6] == ((True, 0),) * 4 + ((True, 1), (False, 1))
+    # Warm-up of stage 0: a round of chunk 0, then 2 per hop from the last rank (capped at m v);
+    # backwards from the last chunk down.
+    assert [(f, c) for f, c, _ in il.ops(0)] == [(True, 0)] * 4 + [(True, 1)] * 4 + [(False, 1)] * 4 + [(False, 0)] * 4
+    assert [mb for _, _, mb in il.ops(0)] == [0, 1, 2, 3] * 4
+    assert il.ops(3)[:6] == tuple((True, 0, i) for i in range(4)) + ((True, 1, 0), (False, 1, 0))
+
+
+def test_a_chunk_holds_its_unsharded_gradients_from_its_first_micro_batchs_backward_to_its_last():
+    """Found by rehearsal: torch's stages reduce a chunk's gradients with its last micro-batch's
+    backward, so an interleaved first stage does not hold its later chunk's beside its first's."""
+    il = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 4, 2)
+    share = stage_share(GPT3, il, 0)
+    chunk_share = il.layers[0] / share.blocks
+    root_chunk = [mo for mo in share.moments if mo.makes_root]
+    assert root_chunk and all(mo.blocks_before <= chunk_share for mo in root_chunk)
+    assert all(mo.blocks_after < 1 for mo in share.moments)
 
 
 def test_the_interleaved_last_stage_keeps_one_micro_batchs_loss_beside_a_round_of_its_earlier_chunk():
@@ -100,8 +116,8 @@ def test_the_interleaved_last_stage_keeps_one_micro_batchs_loss_beside_a_round_o
 
     pl = resolve_pipeline(GPT3, 4, "interleaved_1f1b", 16, 2)
     last = stage_share(GPT3, pl, 3)
-    first_backward = pl.ops(3).index((False, 1))
-    assert pl.ops(3)[:first_backward] == ((True, 0),) * 4 + ((True, 1),)
+    ops = [(f, c) for f, c, _ in pl.ops(3)]
+    assert ops[:ops.index((False, 1))] == [(True, 0)] * 4 + [(True, 1)]
     loss = [mo for mo in last.moments if mo.loss]
     assert loss and all(mo.tail_in_flight == 1 and mo.in_flight > 1 for mo in loss)
     mo = loss[0]

@@ -84,9 +84,9 @@ class Pipeline:
         """Idle time over busy time of one step: (p-1)/(v m), a third of it under zero bubble."""
         return bubble_fraction(self.schedule, self.stages, self.microbatches, self.virtual)
 
-    def ops(self, stage: int) -> tuple[tuple[bool, int], ...]:
+    def ops(self, stage: int) -> tuple[tuple[bool, int, int], ...]:
         """Stage `stage`'s passes in the order torch's schedule runs them: (forward?, local
-        chunk index) each.
+        chunk index, micro-batch) each.
 
         GPipe runs every forward first. 1F1B runs min(m, p - stage) forwards, then a backward
         and a forward in turn (`Schedule1F1B`). The interleaved schedules run torch's warm-up
@@ -97,28 +97,38 @@ class Pipeline:
         whole."""
         return tuple(self._passes(stage))
 
-    def _passes(self, stage: int, periods: bool = True) -> Iterator[tuple[bool, int]]:
+    def _passes(self, stage: int, periods: bool = True) -> Iterator[tuple[bool, int, int]]:
         """`ops` one by one. Without `periods`, the steady state's repeats are left out: it
-        runs the same passes every round through the chunks, holding the same then."""
+        runs the same passes every round through the chunks, holding the same then; the first
+        and last micro-batch of every chunk stay."""
         p, m, v = self.stages, self.microbatches, self.virtual
         if p == 1 or self.schedule == PipelineSchedule.gpipe:
-            yield from ((True, c) for c in range(v) for _ in range(m))
-            yield from ((False, c) for c in reversed(range(v)) for _ in range(m))
+            yield from ((True, c, i) for c in range(v) for i in range(m))
+            yield from ((False, c, i) for c in reversed(range(v)) for i in range(m))
             return
         if v == 1:
             warmup = min(m, p - stage)
-            steady = m - warmup if periods else min(m - warmup, 2)
-            yield from [(True, 0)] * warmup + [(False, 0), (True, 0)] * steady + [(False, 0)] * warmup
+            steady = range(m - warmup) if periods else sorted({0, 1, m - warmup - 1} & set(range(m - warmup)))
+            yield from ((True, 0, i) for i in range(warmup))
+            for i in steady:
+                yield False, 0, i
+                yield True, 0, warmup + i
+            yield from ((False, 0, i) for i in range(m - warmup, m))
             return
         per_round = m // max(1, m // p)
+        period = per_round * v
+
+        def micro_batch(k: int) -> int:
+            return k // period * per_round + k % per_round
+
         hop = 1 if self.schedule == PipelineSchedule.zero_bubble else 2
         warmup = min((v - 1) * per_round + hop * (p - 1 - stage), m * v)
-        yield from ((True, (k // per_round) % v) for k in range(warmup))
-        period, pairs, k = per_round * v, m * v - warmup, 0
+        yield from ((True, (k // per_round) % v, micro_batch(k)) for k in range(warmup))
+        pairs, k = m * v - warmup, 0
         while k < m * v:
             if warmup + k < m * v:
-                yield True, ((warmup + k) // per_round) % v
-            yield False, v - 1 - (k // per_round) % v
+                yield True, ((warmup + k) // per_round) % v, micro_batch(warmup + k)
+            yield False, v - 1 - (k // per_round) % v, micro_batch(k)
             k += 1
             if not periods and k == period and pairs - k > 2 * period:
                 k += ((pairs - k) // period - 1) * period
@@ -232,28 +242,28 @@ class Moment:
     blocks: int
     """Blocks of the chunk this backward runs: what it frees as it goes."""
     blocks_before: float
-    """Share of the rank's blocks whose gradients earlier backwards (or micro-steps) made."""
+    """Share of the rank's blocks whose unsharded gradients earlier backwards (or micro-steps)
+    made and still hold: a pipeline's chunk accumulates them from its first micro-batch's
+    backward and reduces them with its last's."""
     blocks_after: float
-    """Share made once this backward is done."""
+    """Share holding them once this backward is done."""
     root_before: bool
     """Whether the gradient of the rank's parameters outside its blocks (the embeddings of the
-    first stage's first chunk, the head of the last stage's last chunk) exists already."""
+    first stage's first chunk, the head of the last stage's last chunk) is held already."""
+    root_after: bool
+    """Whether it is held once this backward is done."""
     makes_root: bool
     """Whether this backward runs the chunk that holds them (and so makes their gradient)."""
     loss: bool
     """Whether this backward starts with the loss's: the model's last chunk (no pipeline: the
     whole model)."""
 
-    @property
-    def root_after(self) -> bool:
-        return self.root_before or self.makes_root
-
 
 def whole_model_moment(blocks: int, micro_steps: int) -> Moment:
     """A rank without a pipeline: one micro-batch in flight, the gradients of earlier
     micro-steps (accumulation) there from the start of its backward."""
     earlier = micro_steps > 1
-    return Moment(1.0, 1, 0, blocks, float(earlier), 1.0, earlier, True, True)
+    return Moment(1.0, 1, 0, blocks, float(earlier), 1.0, earlier, True, True, True)
 
 
 @lru_cache(maxsize=4096)
@@ -264,22 +274,25 @@ def _moments(pipeline: Pipeline, stage: int) -> tuple[Moment, ...]:
     last = len(chunks) - 1
     loss_chunk = last if chunks[-1] == pipeline.chunks - 1 else None
     root = 0 if stage == 0 else loss_chunk
+    m = pipeline.microbatches
     held = [0] * len(chunks)
-    done = [False] * len(chunks)
-    weighted = outputs = made = 0
+    holding = [False] * len(chunks)  # an unsharded gradient accumulated, not yet reduced
+    weighted = outputs = 0
     found: dict[Moment, None] = {}  # in order, once each: a steady state repeats one moment
-    for forward, c in pipeline._passes(stage, periods=False):
+
+    def share() -> float:
+        return sum(b for b, h in zip(blocks, holding) if h) / total
+
+    for forward, c, mb in pipeline._passes(stage, periods=False):
         if forward:
             held[c] += 1
             weighted += blocks[c]
             outputs += 1
             continue
-        before, root_before = made / total, root is not None and done[root]
-        if not done[c]:
-            done[c] = True
-            made += blocks[c]
-        found[Moment(weighted / total, held[last], outputs, blocks[c], before, made / total, root_before,
-                     c == root, c == loss_chunk)] = None
+        before, root_before = share(), root is not None and holding[root]
+        holding[c] = mb < m - 1
+        found[Moment(weighted / total, held[last], outputs, blocks[c], before, share(), root_before,
+                     root is not None and holding[root], c == root, c == loss_chunk)] = None
         held[c] -= 1
         weighted -= blocks[c]
         outputs -= 1
@@ -287,7 +300,8 @@ def _moments(pipeline: Pipeline, stage: int) -> tuple[Moment, ...]:
     groups: dict[tuple, list[tuple]] = {}
     for mo in found:
         groups.setdefault((mo.blocks, mo.loss, mo.makes_root), []).append(
-            (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before, mo.blocks_after, mo.root_before))
+            (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before, mo.blocks_after, mo.root_before,
+             mo.root_after))
     covered = set()
     for key, vals in groups.items():
         front: list[tuple] = []
@@ -298,7 +312,7 @@ def _moments(pipeline: Pipeline, stage: int) -> tuple[Moment, ...]:
                 front.append(a)
     return tuple(mo for mo in found if ((mo.blocks, mo.loss, mo.makes_root),
                                         (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before,
-                                         mo.blocks_after, mo.root_before)) not in covered)
+                                         mo.blocks_after, mo.root_before, mo.root_after)) not in covered)
 
 
 @dataclass(frozen=True)
