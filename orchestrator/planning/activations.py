@@ -220,8 +220,8 @@ def activation_profile(
     # The backward frees one micro-batch of its chunk: that chunk's blocks' values, its output,
     # and (the last chunk) what it keeps outside them.
     alone = replace(mo, tail_in_flight=1, outputs_in_flight=min(1, mo.outputs_in_flight))
-    freed = mo.blocks * one.block_kept + (tail + b * stage_output_bytes(shape, v, alone, last) if mo.loss else
-                                           b * stage_output_bytes(shape, v, alone, False))
+    freed = mo.blocks * one.block_kept + b * stage_output_bytes(shape, v, alone, last and mo.loss) + (
+        tail if mo.loss else 0.0)
     loss_kept, transient = (one.loss_kept, one.transient) if mo.loss else (0.0, one.block_transient)
     in_blocks = kept - loss_kept + one.block_transient
     # The copies autocast caches but backward does not read die when forward ends, before
