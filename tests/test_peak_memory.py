@@ -14,6 +14,7 @@ _ALLOCATE = r"""
 import json, torch
 from orchestrator.runtime.worker import memory_baseline, memory_use
 cpu = torch.device("cpu")
+torch.ones(1 << 10).sum()  # torch's first-use setup (its thread pool) before the baseline, as a rank's is
 base = memory_baseline(cpu)
 x = torch.ones(64 << 20)  # 256 MiB, every page written
 del x
