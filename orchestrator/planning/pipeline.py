@@ -297,22 +297,18 @@ def _moments(pipeline: Pipeline, stage: int) -> tuple[Moment, ...]:
         weighted -= blocks[c]
         outputs -= 1
     # A moment another holds at least as much at (same chunk size and role) cannot be the peak.
-    groups: dict[tuple, list[tuple]] = {}
-    for mo in found:
-        groups.setdefault((mo.blocks, mo.loss, mo.makes_root), []).append(
-            (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before, mo.blocks_after, mo.root_before,
-             mo.root_after))
-    covered = set()
-    for key, vals in groups.items():
-        front: list[tuple] = []
-        for a in sorted(vals, reverse=True):
-            if any(all(x >= y for x, y in zip(f, a)) for f in front):
-                covered.add((key, a))
-            else:
-                front.append(a)
-    return tuple(mo for mo in found if ((mo.blocks, mo.loss, mo.makes_root),
-                                        (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before,
-                                         mo.blocks_after, mo.root_before, mo.root_after)) not in covered)
+    def role(mo: Moment) -> tuple:
+        return mo.blocks, mo.loss, mo.makes_root
+
+    def amounts(mo: Moment) -> tuple:
+        return (mo.in_flight, mo.tail_in_flight, mo.outputs_in_flight, mo.blocks_before, mo.blocks_after,
+                mo.root_before, mo.root_after)
+
+    kept: list[Moment] = []
+    for mo in sorted(found, key=amounts, reverse=True):  # a moment's coverers come before it
+        if not any(role(k) == role(mo) and all(x >= y for x, y in zip(amounts(k), amounts(mo))) for k in kept):
+            kept.append(mo)
+    return tuple(mo for mo in found if mo in kept)
 
 
 @dataclass(frozen=True)
