@@ -5,8 +5,10 @@
    survivors (the default: only the dead rank's actor is replaced) and with
    `elastic.keep_survivors=false` (every actor torn down, re-probed, re-planned, re-placed).
    Per run: the extra wall time over the uninterrupted run, the ranks blamed, the time from
-   the kill to its detection, and the restart record's breakdown (detection, teardown, probe,
-   plan, placement, actor start, process group, model build, state restore, first step).
+   the kill to its detection, where the state came from (the survivors' memory under DDP, or
+   a checkpoint) and the steps trained again, and the restart record's breakdown (detection,
+   teardown, probe, plan, placement, actor start, process group, model build, state restore,
+   first step).
    Goal: keeping the survivors, <= 10 s at 8 ranks and flat in the rank count.
 2. 3 nodes of 2 GPUs with global batch 18: one node removed half-way (its 2 ranks die, and the 4
    survivors do not divide 18); the world sizes before and after, the global batch every plan
@@ -174,12 +176,14 @@ def main(argv=None) -> None:
     for k in kills:
         for mode in ("keep_survivors", "full_restart"):
             m = k[mode]
+            state = (m["recovery"] or {}).get("state_from", "checkpoint")
             rows.append((k["ranks"], mode.replace("_", " "), f"{k['uninterrupted_s']:.1f} s",
                          f"{m['restart_cost_s']:+.1f} s", str(m["blamed_ranks"]), f"{m['detect_s']:.2f} s",
+                         state, m["steps_lost"],
                          f"{m['breakdown']['total_s']:.1f} s" if m["breakdown"] else "-", _parts(m["breakdown"])))
     print_table(f"kill -9 of the last rank half-way, nodes of 4 fake GPUs, {steps} steps",
                 ["ranks", "recovery", "uninterrupted", "extra wall", "blamed", "kill to detection",
-                 "restart to first step", "parts (s)"], rows)
+                 "state from", "steps lost", "restart to first step", "parts (s)"], rows)
     print_table(f"one of 3 nodes lost, global batch 18, {steps} steps",
                 ["world before", "world after", "global batch after", "every step finished", "blamed ranks"],
                 [(node["world_before"], node["world_after"], node["global_batch_after"],

@@ -1,4 +1,5 @@
-"""Recovery without a cluster: when the survivors may stay, and the clock of a start or restart.
+"""Recovery without a cluster: when the survivors may stay, where their state comes from, and the
+clock of a start or restart.
 (With real ranks killed, hung and lost: test_runtime.py and test_recovery.py.)"""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 from orchestrator.control import heal
 from orchestrator.control.failures import WorkerFailure
 from orchestrator.control.phases import PART_NAMES, Phases, describe
+from orchestrator.planning.mesh import Mesh
 
 
 def _placement(world: int):
@@ -81,3 +83,46 @@ def test_the_start_clock_fills_no_restart_record():
     clock.add("probe_s", 0.1)
     out = clock.finish()
     assert clock.record is None and out["largest"] == "probe_s"
+
+
+def _held(step, digest="d", rows=()):
+    return {"step": step, "digest": digest, "rows": [{"step": s, "loss": 1.0} for s in rows]}
+
+
+def test_ddp_restores_the_newest_step_any_survivor_holds_from_the_lowest_rank_holding_it():
+    # Rank 1 died mid-step: rank 2 finished step 6 before the loss reduction lost its peer,
+    # ranks 0 and 3 had not. Rank 2 is the one source; the driver had rows up to step 4.
+    held = {0: _held(5, "five", rows=[5]), 2: _held(6, rows=[5, 6]), 3: _held(5, "five", rows=[5])}
+    peers, rows, why = heal.choose_restore(Mesh(dp_replicate=4), held, last_step=4)
+    assert why is None
+    assert peers.step == 6 and peers.source == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert [r["step"] for r in rows] == [5, 6]  # the steps rank 0 had not sent yet
+
+
+def test_hsdp_takes_each_shard_from_a_survivor_of_its_own_replica_group():
+    # dp_replicate=2 x dp_shard=2: replica groups [0, 2] and [1, 3]; rank 1 died.
+    held = {0: _held(7, "shard0"), 2: _held(7, "shard0"), 3: _held(7, "shard1")}
+    peers, rows, why = heal.choose_restore(Mesh(dp_replicate=2, dp_shard=2), held, last_step=7)
+    assert why is None and rows == []
+    assert peers.source == {0: 0, 2: 0, 1: 3, 3: 3}
+
+
+@pytest.mark.parametrize("mesh, held, reason", [
+    # zero3: every shard exists once; the dead rank's is in no survivor's memory
+    (Mesh(dp_shard=4), {0: None, 2: None, 3: None}, "dp_replicate=1"),
+    # both replicas of shard 1 lost
+    (Mesh(dp_replicate=2, dp_shard=2), {0: _held(3), 2: _held(3)}, "no survivor of replica group [1, 3]"),
+    # the one other replica of shard 1 is torn (its update applied, its step not done)
+    (Mesh(dp_replicate=2, dp_shard=2), {0: _held(3), 2: _held(3), 3: None}, "no survivor of replica group [1, 3]"),
+    # the survivor of shard 1's group is a step behind the newest step
+    (Mesh(dp_replicate=2, dp_shard=2), {0: _held(4), 2: _held(4), 3: _held(3)}, "holds step 4"),
+    # replicas that should be equal are not: memory is not trusted
+    (Mesh(dp_replicate=3), {0: _held(3, "x"), 2: _held(3, "y")}, "different contents"),
+    (Mesh(dp_replicate=2), {0: None}, "no survivor holds a whole step"),
+    # rank 0 died with rows unsent and the survivor no longer keeps them
+    (Mesh(dp_replicate=2), {1: _held(9, rows=[8, 9])}, "metrics of steps 6-9"),
+])
+def test_a_checkpoint_is_read_instead_and_the_record_says_why(mesh, held, reason):
+    peers, rows, why = heal.choose_restore(mesh, held, last_step=5)
+    assert peers is None and rows == []
+    assert reason in why

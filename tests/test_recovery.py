@@ -141,7 +141,9 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     # kill -9: only that rank and its node are blamed, and detection did not wait on the others
     assert kill["ranks"] == [1] and kill["nodes"] == [events["killed"]["node_id"]], kill
     assert "died" in kill["reason"]
-    assert kill["recovery"] == {"kind": "kept_survivors", "replaced": [1], "kept": 5}, kill
+    # every survivor holds the whole DDP state: the run goes on from where it failed, no step lost
+    assert kill["recovery"] == {"kind": "kept_survivors", "replaced": [1], "kept": 5, "state_from": "survivors"}, kill
+    assert kill["steps_lost"] == 0 and kill["resumed_from_step"] == kill["failed_at_step"], kill
 
     # SIGSTOP: a hang; the stopped rank is the one that did not answer, every rank has a stack file
     assert hang["reason"].startswith("hang") and hang["ranks"] == [2], hang
@@ -151,7 +153,7 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
     assert "no answer" in stacks[2].read_text()
     assert "train" in stacks[0].read_text()  # a live rank's stack shows where it waits
     # the hung rank is killed and replaced; the others stay
-    assert hang["recovery"] == {"kind": "kept_survivors", "replaced": [2], "kept": 5}, hang
+    assert hang["recovery"] == {"kind": "kept_survivors", "replaced": [2], "kept": 5, "state_from": "survivors"}, hang
 
     # a node lost: 4 survivors do not divide 18 as data-parallel ranks, so they run as a pipeline
     # of 2 stages x 2 data-parallel ranks with the whole batch per step, from the checkpoint the

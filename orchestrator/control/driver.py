@@ -30,15 +30,17 @@ from ..planning.model_spec import ModelSpec
 from ..planning.trial import pinned
 from ..runtime import checkpoint_files
 from ..runtime.metrics import record_restarts
+from ..runtime.peer_state import PeerRestore
 from ..topology.model import ClusterTopology
 from . import heal, trial
 from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
 from .failures import Regrow, WorkerFailure, raise_failure
-from .follow import RunState, follow
+from .follow import RunState, consume, follow
 from .monitoring import announce
 from .phases import Phases
 from .placement import Placement, cpu_affinity, nccl_settings, place
 from .preflight import compile_checked, measure_model
+from .progress import ProgressView
 from .report import write_report
 from .rundir import RunDir
 from .summary import notes, print_summary, summarize, write_loss_curve
@@ -68,8 +70,8 @@ def run_job(
     ckpt_dir = cfg.checkpoint.path or str(run.checkpoints)
     resume = resume_from
 
-    def on_failure(f: WorkerFailure) -> str | None:
-        return _after_failure(f, cfg, console, state, ckpt_dir, run, resume_from)
+    def on_failure(f: WorkerFailure, peers: PeerRestore | None = None) -> str | PeerRestore | None:
+        return _after_failure(f, cfg, console, state, ckpt_dir, run, resume_from, peers)
 
     while True:
         try:
@@ -84,7 +86,7 @@ def run_job(
             resume = _after_regrow(g, console, state, ckpt_dir, run)
             state.phases = Phases(time.time(), state.restarts[-1])
         except WorkerFailure as f:
-            resume = f.recorded_resume if f.recorded else on_failure(f)
+            resume = on_failure(f)
             _full_restart_clock(state, f)
 
     summary = summarize(cfg, plan, state, setups, finals, time.monotonic() - t_start, reports)
@@ -97,8 +99,9 @@ def run_job(
     return summary
 
 
-def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str, resume: str | None,
-             on_failure: Callable[[WorkerFailure], str | None]):
+def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckpt_dir: str,
+             resume: str | PeerRestore | None,
+             on_failure: Callable[..., str | PeerRestore | None]):
     """One probe -> plan -> place -> train pass. A failure the survivors can outlive (heal.py)
     is recovered inside it, on the same plan and placement; any other raises WorkerFailure
     once every actor is released."""
@@ -132,7 +135,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
                 break
             except WorkerFailure as f:
                 f.handled_unix_s = time.time()
-                resume = _keep_survivors(cfg, placement, f, console, state, on_failure)
+                resume = _keep_survivors(cfg, plan, placement, f, run, console, state, on_failure)
         ray.get([a.shutdown.remote() for a in placement.actors])
     except WorkerFailure as f:
         t = time.monotonic()
@@ -149,11 +152,12 @@ def _phase(state: RunState, name: str, seconds: float) -> None:
         state.phases.add(name, seconds)
 
 
-def _keep_survivors(cfg: JobConfig, placement: Placement, f: WorkerFailure, console: Console, state: RunState,
-                    on_failure: Callable[[WorkerFailure], str | None]) -> str | None:
+def _keep_survivors(cfg: JobConfig, plan: Plan, placement: Placement, f: WorkerFailure, run: RunDir,
+                    console: Console, state: RunState,
+                    on_failure: Callable[..., str | PeerRestore | None]) -> str | PeerRestore | None:
     """Recover from `f` keeping every healthy rank (heal.py): returns where the same plan
-    resumes, with the dead ranks' actors replaced. Re-raises `f` (its `fallback` says why)
-    when the whole world must restart instead."""
+    resumes (the survivors' memory, a checkpoint, or None: step 0), with the dead ranks' actors
+    replaced. Re-raises `f` (its `fallback` says why) when the whole world must restart instead."""
     t = time.monotonic()
     # A restart's clock still open: this failure came before the recovered world's first step.
     again = state.phases is not None and state.phases.record is not None
@@ -164,21 +168,27 @@ def _keep_survivors(cfg: JobConfig, placement: Placement, f: WorkerFailure, cons
     if why:
         f.fallback = why
         raise f
-    resume = on_failure(f)
+    teardown_s = time.monotonic() - t
+    try:
+        actor_start_s = placement.respawn(replace, cfg.cluster.placement_timeout_s)
+    except Exception as e:  # noqa: BLE001 - whatever stops them, the whole world restarts instead
+        f.fallback = f"a replacement rank did not start ({type(e).__name__}: {str(e)[:160]})"
+        raise f from e
+    peers, rows, why_checkpoint = heal.from_memory(placement, replace, plan.mesh, state.last_step,
+                                                   cfg.elastic.leave_timeout_s)
+    if rows:  # the steps rank 0 had not sent when it failed: the survivors made the same rows
+        consume([{"kind": "step", **row} for row in rows], state, run,
+                ProgressView(cfg.train.max_steps, console, enabled=False), cfg.monitor.log_interval)
+    resume = on_failure(f, peers)
     world = len(placement.actors)
     record = state.restarts[-1]
-    record["recovery"] = {"kind": "kept_survivors", "replaced": replace, "kept": world - len(replace)}
+    record["recovery"] = {"kind": "kept_survivors", "replaced": replace, "kept": world - len(replace),
+                          "state_from": "survivors" if peers else "checkpoint" if resume else "step 0",
+                          **({"why": why_checkpoint} if why_checkpoint else {})}
     state.phases = Phases(f.detected_unix_s, record)
     state.phases.add("detection_s", f.handled_unix_s - f.detected_unix_s)
-    state.phases.add("teardown_s", time.monotonic() - t)
-    try:
-        state.phases.add("actor_start_s", placement.respawn(replace, cfg.cluster.placement_timeout_s))
-    except Exception as e:  # noqa: BLE001 - whatever stops them, the whole world restarts instead
-        # The same failure, already recorded: one restart record says both what failed and why
-        # the survivors could not stay after all.
-        f.fallback = f"a replacement rank did not start ({type(e).__name__}: {str(e)[:160]})"
-        f.recorded, f.recorded_resume = True, resume
-        raise f from e
+    state.phases.add("teardown_s", teardown_s)
+    state.phases.add("actor_start_s", actor_start_s)
     console.print(f"[green]{escape(heal.describe_kept(world, replace))}[/]: the same plan resumes")
     return resume
 
@@ -263,7 +273,8 @@ def _place(cfg: JobConfig, plan: Plan, console: Console, use_gpu: bool) -> Place
 
 
 def _start(cfg: JobConfig, plan: Plan, topology: ClusterTopology, run: RunDir, console: Console,
-           placement: Placement, state: RunState, resume: str | None, use_gpu: bool) -> list[dict[str, Any]]:
+           placement: Placement, state: RunState, resume: str | PeerRestore | None,
+           use_gpu: bool) -> list[dict[str, Any]]:
     """Every rank joins the process group, builds its part of the model and loads `resume`;
     what each set up for itself (the GPUs it exposes to NCCL, the CPUs it runs on, its NCCL
     environment) is added to placement.json. Returns each rank's setup report."""
@@ -286,7 +297,9 @@ def _start(cfg: JobConfig, plan: Plan, topology: ClusterTopology, run: RunDir, c
     run.write_json("placement.json", placement.reports)
     for note in notes(setups):
         console.print(f"[yellow]note:[/] {escape(note)}")
-    if resume:
+    if isinstance(resume, PeerRestore):
+        console.print(f"restored step {setups[0]['start_step']} from {resume}: no checkpoint read", markup=False)
+    elif resume:
         console.print(f"resumed from {resume} at step {setups[0]['start_step']}{_plan_change(resume, plan)}",
                       markup=False)
     return setups
@@ -317,12 +330,16 @@ def _after_regrow(g: Regrow, console: Console, state: RunState, ckpt_dir: str, r
 
 
 def _after_failure(f: WorkerFailure, cfg: JobConfig, console: Console, state: RunState, ckpt_dir: str, run: RunDir,
-                   resume_from: str | None) -> str | None:
-    """Where the run resumes after a failure (the newest whole checkpoint, else the one it was
-    resumed from, else step 0), or RunFailed once train.max_failures restarts are used up."""
-    found = latest_whole_checkpoint(ckpt_dir, console)
-    if found is None and resume_from:
-        found = (resume_from, int(checkpoint_files.verify(resume_from)["step"]))
+                   resume_from: str | None, peers: PeerRestore | None = None) -> str | PeerRestore | None:
+    """Where the run resumes after a failure (`peers`, the survivors' memory, where given; else
+    the newest whole checkpoint, else the one it was resumed from, else step 0), or RunFailed
+    once train.max_failures restarts are used up."""
+    if peers is not None:
+        found = (peers, peers.step)
+    else:
+        found = latest_whole_checkpoint(ckpt_dir, console)
+        if found is None and resume_from:
+            found = (resume_from, int(checkpoint_files.verify(resume_from)["step"]))
     resume, resume_step = found if found else (None, 0)
     state.restarts.append(f.restart_record(state.last_step, resume_step))
     record_restarts(cfg.name, len(state.restarts))
@@ -332,11 +349,12 @@ def _after_failure(f: WorkerFailure, cfg: JobConfig, console: Console, state: Ru
         write_report(run)
         raise RunFailed(
             f"rank(s) {f.ranks} failed ({f.reason}) and train.max_failures={cfg.train.max_failures} "
-            f"restarts are used up; the last whole checkpoint is {resume or 'none'}"
+            f"restarts are used up; the last whole checkpoint is "
+            f"{(latest_whole_checkpoint(ckpt_dir, console) or ['none'])[0] if peers else resume or 'none'}"
         ) from f
     console.print(
         f"[red]failure:[/] {escape(f.reason)} (ranks {f.ranks}); restart {failures}/"
-        f"{cfg.train.max_failures} from " + (f"step {resume_step} ({escape(resume)})" if resume else
+        f"{cfg.train.max_failures} from " + (f"step {resume_step} ({escape(str(resume))})" if resume else
                                             "step 0: no checkpoint was written yet")
     )
     state.rewind(resume_step, run)

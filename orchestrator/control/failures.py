@@ -46,10 +46,6 @@ class WorkerFailure(Exception):
         """Why the survivors could not stay, when the whole world restarts."""
         self.teardown_s = 0.0
         """Seconds spent releasing every actor for a whole-world restart."""
-        self.recorded: bool = False
-        """The restart record was written already (the survivors' recovery failed half-way)."""
-        self.recorded_resume: str | None = None
-        """Where that record said the run resumes."""
 
     def restart_record(self, failed_at_step: int, resumed_from_step: int) -> dict[str, Any]:
         """The summary's record of the restart this failure causes."""

@@ -3,9 +3,10 @@
 After a failure, the healthy ranks leave the broken process group but keep their processes (the
 imports, the device context, the warm caches), and only the dead or hung ranks' actors are
 replaced, in their own bundles, so on the same devices. The plan, the placement and the rank
-layout stay; the group re-forms under a new rendezvous and every rank restores the newest
-checkpoint. Where that cannot be done, `leave` says why in one line and the driver restarts
-the whole world as before (re-probing and re-planning: the world may have changed).
+layout stay; the group re-forms under a new rendezvous and takes its state from the survivors'
+memory where every replica group kept a whole copy (`from_memory`), else from the newest
+checkpoint. Where the survivors cannot stay, `leave` says why in one line and the driver
+restarts the whole world as before (re-probing and re-planning: the world may have changed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from ..planning.mesh import Mesh
+from ..runtime.peer_state import PeerRestore
 from .failures import WorkerFailure
 
 
@@ -73,3 +76,46 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
 
 def describe_kept(world: int, replaced: list[int]) -> str:
     return f"kept {world - len(replaced)} of {world} ranks, replaced rank(s) {replaced}"
+
+
+def from_memory(placement, replaced: list[int], mesh: Mesh, last_step: int,
+                timeout_s: float) -> tuple[PeerRestore | None, list[dict], str | None]:
+    """Ask every survivor what it holds (`Worker.held_state`) and choose where the recovered
+    group's state comes from: (the restore, the metrics rows of its steps the driver has not
+    seen yet, None), or (None, [], why a checkpoint is read instead)."""
+    survivors = [r for r in range(len(placement.actors)) if r not in set(replaced)]
+    refs = [placement.actors[r].held_state.remote(last_step) for r in survivors]
+    try:
+        held = dict(zip(survivors, ray.get(refs, timeout=timeout_s)))
+    except Exception as e:  # noqa: BLE001 - a survivor that cannot say what it holds holds nothing usable
+        return None, [], f"a survivor did not say what it holds ({type(e).__name__})"
+    return choose_restore(mesh, held, last_step)
+
+
+def choose_restore(mesh: Mesh, held: dict[int, dict | None],
+                   last_step: int) -> tuple[PeerRestore | None, list[dict], str | None]:
+    """The restore from memory that `held` (each survivor's `held_state`, None where it holds no
+    whole step) allows: the newest step any survivor holds, taken by every replica group (the
+    ranks that differ only along dp_replicate) from its lowest survivor holding it. Refused,
+    with the reason, where a replica group has no survivor at that step, where survivors of one
+    group hold that step with different contents, or where the survivors no longer keep the
+    metrics rows of the steps between the driver's last and that step."""
+    if mesh.dp_replicate < 2:
+        return None, [], "the plan keeps one copy of each state (dp_replicate=1): no survivor holds the lost rank's"
+    whole = {r: h for r, h in held.items() if h is not None}
+    if not whole:
+        return None, [], "no survivor holds a whole step's state"
+    step = max(h["step"] for h in whole.values())
+    source: dict[int, int] = {}
+    for group in mesh.groups()["dp_replicate"]:
+        holders = [r for r in group if r in whole and whole[r]["step"] == step]
+        if not holders:
+            return None, [], f"no survivor of replica group {group} holds step {step}"
+        if len({whole[r]["digest"] for r in holders}) > 1:
+            return None, [], f"ranks {holders} hold step {step} with different contents (their state digests differ)"
+        source.update({r: holders[0] for r in group})
+    need = range(last_step + 1, step + 1)
+    rows = {row["step"]: row for row in whole[min(source.values())]["rows"]}
+    if any(s not in rows for s in need):
+        return None, [], f"the survivors no longer keep the metrics of steps {need.start}-{need.stop - 1}"
+    return PeerRestore(step=step, source=source), [rows[s] for s in need], None

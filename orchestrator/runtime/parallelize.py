@@ -90,7 +90,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     """Bytes of the distinct storages behind `tensors` (local shards of DTensors) not yet in `seen`."""
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         storage = local.untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() == 0 or key in seen:
@@ -280,6 +280,23 @@ class Parallelized:
             model_sd, optim_sd = get_state_dict(self.model, optimizer, options=_DCP_OPTIONS)
         return {"model": model_sd, "optimizer": optim_sd}
 
+    def live_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of this rank's model and optimizer state where it lives (a DTensor as its
+        local shard, a view), named, in an order the same model and optimizer always give; with
+        no collective, so a rank can take it after its group broke (`peer_state.hold`), and fill
+        it in place (`peer_state.restore`). The optimizer's part exists once it has stepped or
+        :meth:`state_dict` created it."""
+        optimizer = self._local_optimizer()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = [(f"model/{n}", local_tensor(t)) for n, t in self.model.named_parameters()]
+        out += [(f"buffer/{n}", local_tensor(t)) for n, t in self.model.named_buffers()]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                entries = optimizer.state.get(p, {})
+                out += [(f"optimizer/{names[id(p)]}/{k}", local_tensor(entries[k])) for k in sorted(entries)
+                        if isinstance(entries[k], torch.Tensor)]
+        return out
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (after ``dcp.load`` filled it in place)."""
         optimizer = self._local_optimizer()
@@ -291,6 +308,11 @@ class Parallelized:
                 optim_state_dict=state_dict["optimizer"],
                 options=_DCP_OPTIONS,
             )
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of it), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

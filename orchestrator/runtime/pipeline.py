@@ -35,14 +35,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from ..choices import PipelineSchedule
 from ..errors import PlanError
 from ..planning.pipeline import Pipeline
 from ..planning.resolve import Execution
 from ..workloads.models import block_list, block_list_name, logits_of, pipeline_ends, tp_plan
-from .parallelize import Parallelized, clip_grads_with_norm, parallelize, total_grad_norm
+from .parallelize import Parallelized, clip_grads_with_norm, local_tensor, parallelize, total_grad_norm
 
 
 class StageModule(nn.Module):
@@ -186,10 +185,6 @@ class _Optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 @dataclass
 class Pipelined:
     """This rank's chunks, parallelized, with their stages and schedule: what the training loop
@@ -253,7 +248,7 @@ class Pipelined:
             return
         peer = self.pp_ranks[-1] if self.has_first else self.pp_ranks[0]
         for p in tied:
-            grad = _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))
+            grad = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
             other = torch.empty_like(grad)
             ops = [dist.P2POp(dist.isend, grad.contiguous(), peer, self.pp_group),
                    dist.P2POp(dist.irecv, other, peer, self.pp_group)]
@@ -298,6 +293,10 @@ class Pipelined:
             model.update(sd["model"])
             optim.update(sd["optimizer"])
         return {"model": model, "optimizer": optim}
+
+    def live_state(self) -> list[tuple[str, torch.Tensor]]:
+        """Every chunk's `Parallelized.live_state`, each under its chunk's index."""
+        return [(f"chunk{i}/{name}", t) for i, p in enumerate(self.parts) for name, t in p.live_state()]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for p in self.parts:

@@ -33,6 +33,7 @@ from .compile import eager_for_eval
 from .hf_weights import check_weights, load_weights
 from .materialize import allocate, build_on_meta, init_recipe, materialize
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
+from .peer_state import Held, PeerRestore, hold, restore
 from .pipeline import Pipelined, build_pipeline
 from .schedule import lr_at
 from .state_names import canonical, restore_names, tied_aliases
@@ -124,6 +125,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
         self.tokens_per_step = gb * m.block_size
         self.compute_micro_s: float | None = None
+        self.applied = 0
+        """Optimizer steps the model's state has applied (a step's update counts once made)."""
 
     def _build(self, model_fn: Callable[..., Any] | None):
         """The model on the meta device and how to allocate and initialise it once sharded
@@ -166,6 +169,19 @@ class Trainer:
         checkpoint.load(path, wanted)
         self.par.load_state_dict(restore_names(local, wanted, self.aliases))
         return int(meta["step"])
+
+    def restore_from_peers(self, peers: PeerRestore, held: Held | None) -> int:
+        """Take the state of this rank's replica-group source (`peer_state`) instead of reading
+        a checkpoint; returns the step to continue from."""
+        self.par.state_dict()  # creates the optimizer's state (Adam's moments) for it to be filled
+        restore(self.par.live_state(), held, peers, self.rank, self.mesh.get_group("dp_replicate"))
+        return peers.step
+
+    def hold(self) -> Held:
+        """A host copy of this rank's state after `applied` steps, for `restore_from_peers`:
+        taken with no collective, so after its group broke."""
+        with torch.no_grad():  # local shards as plain views: no autograd link back to the mesh
+            return hold(self.par.live_state(), self.applied)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's model and optimizer state as a checkpoint holds it: the whole model's
@@ -241,14 +257,19 @@ class Trainer:
         ex = self.execution
         return ex.ddp_reduces or (self.accum > 1 and not ex.reduce_every_micro_step)
 
-    def start(self, resume_from: str | None = None) -> int:
-        """Ready the rank to train, as every launcher does: load `resume_from` if given, then
+    def start(self, resume_from: str | PeerRestore | None = None, held: Held | None = None) -> int:
+        """Ready the rank to train, as every launcher does: load `resume_from` if given (a
+        checkpoint, or the survivors' memory, this rank's own `held` copy among it), then
         calibrate the compute-only step time (on the loaded weights: a trainer built `resuming`
         holds uninitialised memory until then). Returns the step to train from."""
         if self.resuming and not resume_from:
             raise RuntimeError("this trainer was built to resume (its weights only allocated) but start() got "
                                "no checkpoint to load")
-        step = self.load_checkpoint(resume_from) if resume_from else 0
+        if isinstance(resume_from, PeerRestore):
+            step = self.restore_from_peers(resume_from, held)
+        else:
+            step = self.load_checkpoint(resume_from) if resume_from else 0
+        self.applied = step
         self.calibrate_compute()
         return step
 
@@ -304,6 +325,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.par.optimizer.step()
+        self.applied = step + 1
         self.par.zero_grad()
         opt_end = self._mark()
         mean_loss = self._global_mean(total)  # .item() waits for the step, so both marks are done

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from ..planning import Plan
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
 from .nccl_env import apply as apply_nccl
+from .peer_state import Held, PeerRestore
 
 
 def _free_port() -> int:
@@ -153,6 +155,9 @@ class RankLeft(RuntimeError):
 TIMES_BATCH = 10
 """Steps of per-rank timings sent to the driver at once (one small message per rank per batch)."""
 
+ROWS_KEPT = 4096
+"""Metrics rows a rank keeps: a restore from memory needs those its rank 0 had not sent yet."""
+
 SEND_INTERVAL_S = 0.5
 """Rank 0's step rows wait at most this long before they go to the driver's sink, together: the
 driver drains the sink every half second anyway, and each remote call costs the sending rank, the
@@ -219,6 +224,12 @@ class Worker:
         # `leave` on the main one leaves torch's group registry half cleared, and the next
         # group's names then collide with stale ones.
         self._group_lock = threading.Lock()
+        self._held: Held | None = None
+        """This rank's state as it left a broken group, until the next `setup` (peer_state.py)."""
+        self._rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)
+        """The newest steps' metrics rows: those rank 0 had not yet sent when it failed."""
+        self._completed = 0
+        """The last step whose row this rank made: every part of it (evaluation too) done."""
 
     @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
@@ -242,10 +253,11 @@ class Worker:
     def rendezvous_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | None = None,
+    def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | PeerRestore | None = None,
               cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None,
               rank: int | None = None) -> dict[str, Any]:
-        """Join the process group, build the model under the plan, and load `resume_from` if given.
+        """Join the process group, build the model under the plan, and load `resume_from` if given
+        (a checkpoint, or the survivors' memory, which this rank's held state may be part of).
         `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology;
         `nccl` what NCCL should be told about this node (`nccl_env`). `rank`: this process's rank
         under `plan`, where it is not the one it was started as (a trial's other layouts)."""
@@ -255,6 +267,10 @@ class Worker:
 
         if rank is not None:
             self.rank = rank
+        # Held state serves only the restore it was kept for: otherwise it goes before the new
+        # model is built, so the two never share the memory.
+        held, self._held = (self._held, None) if isinstance(resume_from, PeerRestore) else (None, None)
+        self._rows.clear()  # an earlier world's rows: a restore may have rewound past them
         notes = [self.niceness_note] if self.niceness_note else []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
@@ -296,7 +312,9 @@ class Worker:
         # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
         self.flops_per_rank_step = plan.model.flops_per_step / self.world
         self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
-        start = self.trainer.start(resume_from)
+        start = self.trainer.start(resume_from, held)
+        del held
+        self._completed = start
         timings = {"process_group_s": t_group - t0, "model_build_s": t_build - t_group,
                    "state_restore_s": time.monotonic() - t_build}
         return {"num_params": self.trainer.num_params, "timings": timings,
@@ -317,8 +335,30 @@ class Worker:
         # Outside the except block, so the exception and its traceback are gone: their frames
         # hold the model, and through it the process group, whose connections close only once
         # nothing refers to it. Closed, they end the other ranks' waits on this one.
+        self._hold()
         self.leave()
         raise RankLeft(failed)
+
+    def _hold(self) -> None:
+        """Keep this rank's state for its replica group's restore (peer_state.py), where others
+        hold the same (a replicated plan) and it is one whole step: the update applied and the
+        step's row made. A rank torn between the two holds nothing."""
+        tr = self.trainer
+        self._held = None
+        if tr is None or tr.plan.mesh.dp_replicate < 2 or tr.applied != self._completed:
+            return
+        try:
+            self._held = tr.hold()
+        except Exception:  # noqa: BLE001 - a state that cannot be copied is restored from a checkpoint
+            self._held = None
+
+    def held_state(self, after_step: int) -> dict[str, Any] | None:
+        """What this rank holds for a restore: its step and digest, and its rows of the steps
+        after `after_step` (the driver's last), or None when it holds no whole step."""
+        if self._held is None:
+            return None
+        rows = [r for r in self._rows if r["step"] > after_step]
+        return {"step": self._held.step, "digest": self._held.digest, "rows": rows}
 
     def trial(self, steps: int) -> list[tuple[float, float | None]]:
         """Run `steps` optimizer steps of the model `setup` built, from step 0, with no
@@ -405,6 +445,8 @@ class Worker:
             if self.peak_flops:
                 row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
             self.metrics.record_step(row)
+            self._rows.append(row)
+            self._completed = done
             if self.rank == 0:
                 # The first step at once: it closes the driver's clock of this start or restart.
                 outbox.add({"kind": "step", **row}, urgent=evaluated or step == start)
