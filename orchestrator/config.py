@@ -249,11 +249,13 @@ class ElasticConfig:
     warm-up, evaluation and checkpoint writes, which report no step while they run."""
     keep_survivors: bool = True
     """After a failure, keep every healthy rank's process (imports, device context) and replace
-    only the dead or hung ranks on their own devices, when the world is unchanged; false: tear
-    every rank down and re-probe, re-plan and re-place, as a changed world always does."""
+    only the dead or hung ranks on their own devices, when the world is unchanged, restoring
+    them from the survivors' memory where the plan replicates its states; false: tear every
+    rank down and re-probe, re-plan and re-place, as a changed world always does."""
     leave_timeout_s: float = 30.0
-    """How long the survivors may take to leave the broken collective before the whole world
-    restarts instead, seconds."""
+    """How long the survivors may take to leave the broken collective (one stuck in its step
+    while the others have left is replaced sooner) before the whole world restarts instead,
+    seconds."""
 
 
 @dataclass

@@ -20,7 +20,7 @@ from _reshard_worker import MODELS, PlanCase, _forced, overrides
 
 from orchestrator.config import load_config
 from orchestrator.planning import Plan
-from orchestrator.runtime.peer_state import PeerRestore
+from orchestrator.runtime.peer_state import PeerRestore, hold
 from orchestrator.runtime.trainer import Trainer
 
 HELD_AT = 2
@@ -63,7 +63,7 @@ def run_rank(rank: int, init_prefix: str, spec_file: str, out_file: str) -> None
         tr.start()
         for s in range(HELD_AT):
             tr.train_step(s)
-        held = tr.hold()
+        held = hold(tr.held_tensors(), tr.applied)
         digests = [None] * WORLD
         dist.all_gather_object(digests, held.digest)
         del tr

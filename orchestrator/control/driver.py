@@ -164,7 +164,7 @@ def _keep_survivors(cfg: JobConfig, plan: Plan, placement: Placement, f: WorkerF
     # Failing again is often the lost node Ray had not yet reported the first time: said as such.
     why = ((heal.gone_node(f) or f"rank(s) {f.ranks} failed again before the recovered group's first step") if again
            else heal.precheck(placement, f, cfg.elastic.keep_survivors))
-    replace, why = ([], why) if why else heal.leave(placement, f, cfg.elastic.leave_timeout_s)
+    replace, stuck, why = ([], [], why) if why else heal.leave(placement, f, cfg.elastic.leave_timeout_s)
     if why:
         f.fallback = why
         raise f
@@ -183,6 +183,7 @@ def _keep_survivors(cfg: JobConfig, plan: Plan, placement: Placement, f: WorkerF
     world = len(placement.actors)
     record = state.restarts[-1]
     record["recovery"] = {"kind": "kept_survivors", "replaced": replace, "kept": world - len(replace),
+                          **({"stuck": stuck} if stuck else {}),
                           "state_from": "survivors" if peers else "checkpoint" if resume else "step 0",
                           **({"why": why_checkpoint} if why_checkpoint else {})}
     state.phases = Phases(f.detected_unix_s, record)

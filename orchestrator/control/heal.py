@@ -11,6 +11,8 @@ restarts the whole world as before (re-probing and re-planning: the world may ha
 
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -44,24 +46,35 @@ def gone_node(failure: WorkerFailure) -> str | None:
     return f"node {lost[0][:12]} is gone: its ranks cannot be replaced on their own devices" if lost else None
 
 
-def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int], str | None]:
-    """Every rank not to blame leaves the broken group and stays; the blamed ones are killed.
-    Returns (the ranks to replace, None), or ([], why) when a survivor did not leave within
-    `timeout_s` (still blocked in a collective) and the whole world must restart."""
+STUCK_GRACE_S = 3.0
+"""How long a survivor still in its step may go on waiting once no other survivor has left for
+as long: its collective waits on peers that have left, over connections that have not closed
+(gloo under FSDP2 keeps them open after its group is destroyed; NCCL's abort ends such waits)."""
+
+
+def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int], list[int], str | None]:
+    """Every rank not to blame leaves the broken group and stays; the blamed ones are killed, and
+    so is a survivor stuck in its step once the others have left (it is replaced too). Returns
+    (the ranks to replace, the stuck ones among them, None), or ([], [], why) when no survivor
+    left within `timeout_s` and the whole world must restart."""
     failed = set(failure.ranks)
     survivors = [r for r in range(len(placement.actors)) if r not in failed]
     for r in failed:  # a hung rank is alive: killing it closes its connections, ending its peers' waits
         ray.kill(placement.actors[r], no_restart=True)
     for r in survivors:  # NCCL waits end only by abort; it is harmless elsewhere
         placement.actors[r].abort_collectives.remote()
-    waiting = [failure.train_refs[r] for r in survivors]
-    done, pending = ray.wait(waiting, num_returns=len(waiting), timeout=timeout_s) if waiting else ([], [])
+    rank_of = {failure.train_refs[r]: r for r in survivors}
+    pending, stuck = _wait_to_leave(placement, rank_of, timeout_s)
     if pending:
-        stuck = sorted(survivors[waiting.index(p)] for p in pending)
-        return [], (f"rank(s) {stuck} did not leave the broken collective within {timeout_s:g} s "
-                    f"(elastic.leave_timeout_s)")
+        return [], [], (f"rank(s) {sorted(rank_of[p] for p in pending)} did not leave the broken collective within "
+                        f"{timeout_s:g} s (elastic.leave_timeout_s)")
+    for r in stuck:
+        ray.kill(placement.actors[r], no_restart=True)
+    staying = [r for r in survivors if r not in stuck]
+    if not staying:
+        return [], [], "no rank survived leaving the broken group"
     # All at once: a rank whose step failed has left already, and this only confirms it.
-    left = {placement.actors[r].leave.remote(): r for r in survivors}
+    left = {placement.actors[r].leave.remote(): r for r in staying}
     ready, late = ray.wait(list(left), num_returns=len(left), timeout=timeout_s)
     died = [left[ref] for ref in late]  # no answer in time: killed and replaced too (respawn kills first)
     for ref in ready:
@@ -69,9 +82,33 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
             ray.get(ref)
         except (RayActorError, RayTaskError):
             died.append(left[ref])  # it did not survive leaving: it is replaced too
-    if len(died) == len(survivors):
-        return [], "no rank survived leaving the broken group"
-    return sorted(failed | set(died)), None
+    if len(died) == len(staying):
+        return [], [], "no rank survived leaving the broken group"
+    return sorted(failed | set(stuck) | set(died)), sorted(stuck), None
+
+
+def _wait_to_leave(placement, rank_of: dict, timeout_s: float) -> tuple[list, list[int]]:
+    """Wait for the survivors' steps to end. Returns (the steps still running at `timeout_s`:
+    none left at all, or one not stuck that took too long; the ranks found stuck in their step
+    once the others had left)."""
+    pending = list(rank_of)
+    stuck: list[int] = []
+    start = time.monotonic()
+    quiet_since = None  # when a survivor last left
+    while pending and (now := time.monotonic()) - start < timeout_s:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(0.25, timeout_s - (now - start)))
+        if done:
+            quiet_since = time.monotonic()
+        if pending and quiet_since is not None and time.monotonic() - quiet_since >= STUCK_GRACE_S:
+            # Still training (not holding its state or leaving): blocked for good.
+            try:
+                stages = ray.get([placement.actors[rank_of[p]].stage.remote() for p in pending], timeout=5)
+            except Exception:  # noqa: BLE001 - one that cannot answer is as stuck
+                stages = ["training"] * len(pending)
+            stuck += [rank_of[p] for p, s in zip(pending, stages) if s == "training"]
+            pending = [p for p, s in zip(pending, stages) if s != "training"]
+            quiet_since = time.monotonic()
+    return pending, sorted(stuck)
 
 
 def describe_kept(world: int, replaced: list[int]) -> str:
@@ -102,15 +139,19 @@ def choose_restore(mesh: Mesh, held: dict[int, dict | None],
     metrics rows of the steps between the driver's last and that step."""
     if mesh.dp_replicate < 2:
         return None, [], "the plan keeps one copy of each state (dp_replicate=1): no survivor holds the lost rank's"
-    whole = {r: h for r, h in held.items() if h is not None}
+    whole = {r: h for r, h in held.items() if h is not None and h.get("step") is not None}
     if not whole:
-        return None, [], "no survivor holds a whole step's state"
+        why = next((f"rank {r}: {h['why']}" for r, h in sorted(held.items()) if h and h.get("why")), None)
+        return None, [], "no survivor holds a whole step's state" + (f" ({why})" if why else "")
     step = max(h["step"] for h in whole.values())
     source: dict[int, int] = {}
     for group in mesh.groups()["dp_replicate"]:
         holders = [r for r in group if r in whole and whole[r]["step"] == step]
         if not holders:
-            return None, [], f"no survivor of replica group {group} holds step {step}"
+            have = "; ".join(f"rank {r}: " + (f"step {held[r]['step']}" if held[r].get("step") is not None
+                                               else held[r].get("why", "nothing"))
+                             for r in group if held.get(r))
+            return None, [], f"no survivor of replica group {group} holds step {step}" + (f" ({have})" if have else "")
         if len({whole[r]["digest"] for r in holders}) > 1:
             return None, [], f"ranks {holders} hold step {step} with different contents (their state digests differ)"
         source.update({r: holders[0] for r in group})

@@ -286,6 +286,11 @@ class Parallelized:
         no collective, so a rank can take it after its group broke (`peer_state.hold`), and fill
         it in place (`peer_state.restore`). The optimizer's part exists once it has stepped or
         :meth:`state_dict` created it."""
+        # A step that failed half-way leaves FSDP2 units unsharded (their full parameters
+        # registered): back to the sharded ones the optimizer steps, freeing the rest, locally.
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         optimizer = self._local_optimizer()
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = [(f"model/{n}", local_tensor(t)) for n, t in self.model.named_parameters()]

@@ -33,7 +33,7 @@ from .compile import eager_for_eval
 from .hf_weights import check_weights, load_weights
 from .materialize import allocate, build_on_meta, init_recipe, materialize
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
-from .peer_state import Held, PeerRestore, hold, restore
+from .peer_state import Held, PeerRestore, restore
 from .pipeline import Pipelined, build_pipeline
 from .schedule import lr_at
 from .state_names import canonical, restore_names, tied_aliases
@@ -177,11 +177,12 @@ class Trainer:
         restore(self.par.live_state(), held, peers, self.rank, self.mesh.get_group("dp_replicate"))
         return peers.step
 
-    def hold(self) -> Held:
-        """A host copy of this rank's state after `applied` steps, for `restore_from_peers`:
-        taken with no collective, so after its group broke."""
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's state after `applied` steps, for `peer_state.hold`: the tensors themselves
+        (detached local shards), taken with no collective, so after its group broke, and
+        referring to no process group, so the group can close while they are kept."""
         with torch.no_grad():  # local shards as plain views: no autograd link back to the mesh
-            return hold(self.par.live_state(), self.applied)
+            return [(name, t.detach()) for name, t in self.par.live_state()]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's model and optimizer state as a checkpoint holds it: the whole model's
@@ -316,6 +317,10 @@ class Trainer:
                 total = self.par.step(x, y)
         else:
             total = self._accumulate(x, y)
+        # Every collective of a step comes before its update, the loss's reduction too: a rank
+        # that loses a peer has applied the step entirely or not at all, so a survivor's memory
+        # holds a whole step to restore the group from (peer_state.py).
+        mean_loss = self._global_mean(total)
         opt_start = self._mark()
         if self.scaler:
             self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
@@ -328,7 +333,7 @@ class Trainer:
         self.applied = step + 1
         self.par.zero_grad()
         opt_end = self._mark()
-        mean_loss = self._global_mean(total)  # .item() waits for the step, so both marks are done
+        self._sync()  # the step's end: its marks are done
         opt_s = self._seconds(opt_start, opt_end)
         step_s = time.perf_counter() - t0
         exposed = None

@@ -24,7 +24,7 @@ from ..planning import Plan
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
 from .nccl_env import apply as apply_nccl
-from .peer_state import Held, PeerRestore
+from .peer_state import Held, PeerRestore, hold
 
 
 def _free_port() -> int:
@@ -226,14 +226,23 @@ class Worker:
         self._group_lock = threading.Lock()
         self._held: Held | None = None
         """This rank's state as it left a broken group, until the next `setup` (peer_state.py)."""
+        self._not_held: str | None = None
+        """Why a rank of a replicated plan holds no state after a failure."""
         self._rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)
         """The newest steps' metrics rows: those rank 0 had not yet sent when it failed."""
         self._completed = 0
         """The last step whose row this rank made: every part of it (evaluation too) done."""
+        self._stage = "idle"
+        """Where `train` is: training, holding or leaving (after a failure), idle."""
 
     @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
         return {"rank": self.rank, **device_report(self.cpu_slot)}
+
+    @ray.method(concurrency_group="control")
+    def stage(self) -> str:
+        """Where `train` is (`_stage`), answered while a step is blocked in a collective."""
+        return self._stage
 
     @ray.method(concurrency_group="control")
     def alive(self) -> int:
@@ -328,35 +337,57 @@ class Worker:
         error (a peer died in a collective) the rank leaves its process group at once and
         raises: its closed connections end its peers' waits too, so every survivor returns
         and can join a new group (`setup` again) without its process being replaced."""
+        self._stage = "training"
         try:
             return self._train(start, end, sink, checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - re-raised below, as text
             failed = "".join(traceback.format_exception(e))
+        finally:
+            self._stage = "holding"
         # Outside the except block, so the exception and its traceback are gone: their frames
         # hold the model, and through it the process group, whose connections close only once
         # nothing refers to it. Closed, they end the other ranks' waits on this one.
-        self._hold()
+        kept = self._keep()
+        # Leave first: the ranks behind this one wait on its connections, so they close before
+        # the state is copied and hashed.
+        self._stage = "leaving"
         self.leave()
+        self._stage = "holding"
+        self._hold(kept)
+        self._stage = "idle"
         raise RankLeft(failed)
 
-    def _hold(self) -> None:
-        """Keep this rank's state for its replica group's restore (peer_state.py), where others
-        hold the same (a replicated plan) and it is one whole step: the update applied and the
-        step's row made. A rank torn between the two holds nothing."""
+    def _keep(self) -> tuple[int, list] | None:
+        """This rank's state tensors, for its replica group's restore (peer_state.py), where
+        others hold the same (a replicated plan) and it is one whole step: the update applied and
+        the step's row made. A rank torn between the two keeps nothing, and says why."""
         tr = self.trainer
-        self._held = None
-        if tr is None or tr.plan.mesh.dp_replicate < 2 or tr.applied != self._completed:
+        self._held, self._not_held = None, None
+        if tr is None or tr.plan.mesh.dp_replicate < 2:
+            return None
+        if tr.applied != self._completed:
+            self._not_held = f"its step {tr.applied} was applied but not done"
+            return None
+        try:
+            return tr.applied, tr.held_tensors()
+        except Exception as e:  # noqa: BLE001 - a state that cannot be taken is restored from a checkpoint
+            self._not_held = f"its state could not be taken ({type(e).__name__}: {str(e)[:160]})"
+            return None
+
+    def _hold(self, kept: tuple[int, list] | None) -> None:
+        """Copy (from a GPU) and hash what `_keep` took."""
+        if kept is None:
             return
         try:
-            self._held = tr.hold()
-        except Exception:  # noqa: BLE001 - a state that cannot be copied is restored from a checkpoint
-            self._held = None
+            self._held = hold(kept[1], kept[0])
+        except Exception as e:  # noqa: BLE001 - as in _keep
+            self._not_held = f"its state could not be copied ({type(e).__name__}: {str(e)[:160]})"
 
     def held_state(self, after_step: int) -> dict[str, Any] | None:
         """What this rank holds for a restore: its step and digest, and its rows of the steps
         after `after_step` (the driver's last), or None when it holds no whole step."""
         if self._held is None:
-            return None
+            return {"step": None, "why": self._not_held} if self._not_held else None
         rows = [r for r in self._rows if r["step"] > after_step]
         return {"step": self._held.step, "digest": self._held.digest, "rows": rows}
 
@@ -431,22 +462,22 @@ class Worker:
         overhead_s = 0.0  # this loop's own work per step: reporting, not training
         for step in range(start, end):
             res = tr.train_step(step)
-            if pending is not None:
-                outbox.flush()  # every row before a checkpoint reaches the driver before it is committed
-                self._committed(pending.commit(), pending.step, outbox)
-                pending = None
             done = step + 1  # metrics count completed optimizer steps
             final = done == cfg.train.max_steps
             evaluated = done % cfg.train.eval_interval == 0 or final
-            if evaluated:
-                res.val_loss = last_val = tr.evaluate()
             t_report = time.perf_counter()
             row = {**asdict(res), "step": done, "time": time.time()}
             if self.peak_flops:
                 row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
-            self.metrics.record_step(row)
+            # The step is whole before its evaluation: one that loses a peer costs only its
+            # validation loss, not a restore from memory.
             self._rows.append(row)
             self._completed = done
+            if evaluated:
+                overhead_s += time.perf_counter() - t_report
+                row["val_loss"] = last_val = tr.evaluate()
+                t_report = time.perf_counter()
+            self.metrics.record_step(row)
             if self.rank == 0:
                 # The first step at once: it closes the driver's clock of this start or restart.
                 outbox.add({"kind": "step", **row}, urgent=evaluated or step == start)
@@ -457,6 +488,11 @@ class Worker:
                 outbox.add({"kind": "times", "rank": self.rank, "times": times}, urgent=True)
                 times = []
             overhead_s += time.perf_counter() - t_report
+            if pending is not None:
+                # After this step's row: a commit that loses a peer leaves the step whole here.
+                outbox.flush()  # every row before a checkpoint reaches the driver before it is committed
+                self._committed(pending.commit(), pending.step, outbox)
+                pending = None
             every = cfg.checkpoint.interval
             if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
                 meta = tr.checkpoint_meta()
