@@ -112,6 +112,9 @@ def options(ap) -> None:
 
 
 def _killed(base: dict, hit: dict) -> dict:
+    if not hit["summary"].get("restarts"):
+        raise SystemExit("the run ended before its kill landed (the driver sees steps up to half a second late): "
+                         "give it more --steps")
     r = hit["summary"]["restarts"][0]
     return {"wall_s": hit["wall_s"], "restart_cost_s": hit["wall_s"] - base["wall_s"],
             "detect_s": r["detected_unix_s"] - hit["did"]["killed_at"], "blamed_ranks": r["ranks"],

@@ -93,7 +93,7 @@ def test_ddp_restores_the_newest_step_any_survivor_holds_from_the_lowest_rank_ho
     # Rank 1 died mid-step: rank 2 finished step 6 before the loss reduction lost its peer,
     # ranks 0 and 3 had not. Rank 2 is the one source; the driver had rows up to step 4.
     held = {0: _held(5, "five", rows=[5]), 2: _held(6, rows=[5, 6]), 3: _held(5, "five", rows=[5])}
-    peers, rows, why = heal.choose_restore(Mesh(dp_replicate=4), held, last_step=4)
+    peers, rows, why = heal.choose_restore(Mesh(dp_replicate=4), held, last_step=4, max_steps=100)
     assert why is None
     assert peers.step == 6 and peers.source == {0: 2, 1: 2, 2: 2, 3: 2}
     assert [r["step"] for r in rows] == [5, 6]  # the steps rank 0 had not sent yet
@@ -102,7 +102,7 @@ def test_ddp_restores_the_newest_step_any_survivor_holds_from_the_lowest_rank_ho
 def test_hsdp_takes_each_shard_from_a_survivor_of_its_own_replica_group():
     # dp_replicate=2 x dp_shard=2: replica groups [0, 2] and [1, 3]; rank 1 died.
     held = {0: _held(7, "shard0"), 2: _held(7, "shard0"), 3: _held(7, "shard1")}
-    peers, rows, why = heal.choose_restore(Mesh(dp_replicate=2, dp_shard=2), held, last_step=7)
+    peers, rows, why = heal.choose_restore(Mesh(dp_replicate=2, dp_shard=2), held, last_step=7, max_steps=100)
     assert why is None and rows == []
     assert peers.source == {0: 0, 2: 0, 1: 3, 3: 3}
 
@@ -121,8 +121,10 @@ def test_hsdp_takes_each_shard_from_a_survivor_of_its_own_replica_group():
     (Mesh(dp_replicate=2), {0: None}, "no survivor holds a whole step"),
     # rank 0 died with rows unsent and the survivor no longer keeps them
     (Mesh(dp_replicate=2), {1: _held(9, rows=[8, 9])}, "metrics of steps 6-9"),
+    # nothing left to train: the final checkpoint is what the run ends with
+    (Mesh(dp_replicate=2), {1: _held(100, rows=range(6, 101))}, "after the last step"),
 ])
 def test_a_checkpoint_is_read_instead_and_the_record_says_why(mesh, held, reason):
-    peers, rows, why = heal.choose_restore(mesh, held, last_step=5)
+    peers, rows, why = heal.choose_restore(mesh, held, last_step=5, max_steps=100)
     assert peers is None and rows == []
     assert reason in why

@@ -27,7 +27,8 @@ def restored(tmp_path_factory) -> dict:
     sources = {}
     for name, plan in plans.items():
         held = {r: {"step": pw.HELD_AT, "digest": "same", "rows": []} for r in range(pw.WORLD) if r != REPLACED}
-        peers, _, why = choose_restore(Mesh.from_dict(plan["mesh"]), held, last_step=pw.HELD_AT)
+        peers, _, why = choose_restore(Mesh.from_dict(plan["mesh"]), held, last_step=pw.HELD_AT,
+                                      max_steps=pw.STEPS)
         assert why is None, (name, why)
         sources[name] = peers.source
     spec = tmp / "spec.json"

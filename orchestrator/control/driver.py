@@ -175,7 +175,7 @@ def _keep_survivors(cfg: JobConfig, plan: Plan, placement: Placement, f: WorkerF
         f.fallback = f"a replacement rank did not start ({type(e).__name__}: {str(e)[:160]})"
         raise f from e
     peers, rows, why_checkpoint = heal.from_memory(placement, replace, plan.mesh, state.last_step,
-                                                   cfg.elastic.leave_timeout_s)
+                                                   cfg.train.max_steps, cfg.elastic.leave_timeout_s)
     if rows:  # the steps rank 0 had not sent when it failed: the survivors made the same rows
         consume([{"kind": "step", **row} for row in rows], state, run,
                 ProgressView(cfg.train.max_steps, console, enabled=False), cfg.monitor.log_interval)

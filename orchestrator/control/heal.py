@@ -115,7 +115,7 @@ def describe_kept(world: int, replaced: list[int]) -> str:
     return f"kept {world - len(replaced)} of {world} ranks, replaced rank(s) {replaced}"
 
 
-def from_memory(placement, replaced: list[int], mesh: Mesh, last_step: int,
+def from_memory(placement, replaced: list[int], mesh: Mesh, last_step: int, max_steps: int,
                 timeout_s: float) -> tuple[PeerRestore | None, list[dict], str | None]:
     """Ask every survivor what it holds (`Worker.held_state`) and choose where the recovered
     group's state comes from: (the restore, the metrics rows of its steps the driver has not
@@ -126,17 +126,19 @@ def from_memory(placement, replaced: list[int], mesh: Mesh, last_step: int,
         held = dict(zip(survivors, ray.get(refs, timeout=timeout_s)))
     except Exception as e:  # noqa: BLE001 - a survivor that cannot say what it holds holds nothing usable
         return None, [], f"a survivor did not say what it holds ({type(e).__name__})"
-    return choose_restore(mesh, held, last_step)
+    return choose_restore(mesh, held, last_step, max_steps)
 
 
-def choose_restore(mesh: Mesh, held: dict[int, dict | None],
-                   last_step: int) -> tuple[PeerRestore | None, list[dict], str | None]:
+def choose_restore(mesh: Mesh, held: dict[int, dict | None], last_step: int,
+                   max_steps: int) -> tuple[PeerRestore | None, list[dict], str | None]:
     """The restore from memory that `held` (each survivor's `held_state`, None where it holds no
     whole step) allows: the newest step any survivor holds, taken by every replica group (the
     ranks that differ only along dp_replicate) from its lowest survivor holding it. Refused,
     with the reason, where a replica group has no survivor at that step, where survivors of one
     group hold that step with different contents, or where the survivors no longer keep the
-    metrics rows of the steps between the driver's last and that step."""
+    metrics rows of the steps between the driver's last and that step, and where that step is
+    the run's last (`max_steps`): its final checkpoint, committed or written again from the one
+    before, ends the run."""
     if mesh.dp_replicate < 2:
         return None, [], "the plan keeps one copy of each state (dp_replicate=1): no survivor holds the lost rank's"
     whole = {r: h for r, h in held.items() if h is not None and h.get("step") is not None}
@@ -144,6 +146,8 @@ def choose_restore(mesh: Mesh, held: dict[int, dict | None],
         why = next((f"rank {r}: {h['why']}" for r, h in sorted(held.items()) if h and h.get("why")), None)
         return None, [], "no survivor holds a whole step's state" + (f" ({why})" if why else "")
     step = max(h["step"] for h in whole.values())
+    if step >= max_steps:
+        return None, [], "the failure came after the last step: its final checkpoint ends the run"
     source: dict[int, int] = {}
     for group in mesh.groups()["dp_replicate"]:
         holders = [r for r in group if r in whole and whole[r]["step"] == step]
