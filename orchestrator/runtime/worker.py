@@ -233,7 +233,7 @@ class Worker:
         self._completed = 0
         """The last step whose row this rank made: every part of it (evaluation too) done."""
         self._stage = "idle"
-        """Where `train` is: training, holding or leaving (after a failure), idle."""
+        """Where `train` is: training; leaving, then holding (after a failure); idle."""
 
     @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
@@ -339,18 +339,19 @@ class Worker:
         and can join a new group (`setup` again) without its process being replaced."""
         self._stage = "training"
         try:
-            return self._train(start, end, sink, checkpoint_dir)
+            result = self._train(start, end, sink, checkpoint_dir)
         except Exception as e:  # noqa: BLE001 - re-raised below, as text
+            self._stage = "leaving"
             failed = "".join(traceback.format_exception(e))
-        finally:
-            self._stage = "holding"
+        else:
+            self._stage = "idle"
+            return result
         # Outside the except block, so the exception and its traceback are gone: their frames
         # hold the model, and through it the process group, whose connections close only once
         # nothing refers to it. Closed, they end the other ranks' waits on this one.
         kept = self._keep()
         # Leave first: the ranks behind this one wait on its connections, so they close before
         # the state is copied and hashed.
-        self._stage = "leaving"
         self.leave()
         self._stage = "holding"
         self._hold(kept)
