@@ -117,8 +117,17 @@ def test_cost_model_measures_two_gloo_ranks_and_reports_errors():
     # Sizes far enough apart that the all-reduce series grows above the noise of a shared machine
     # (the all-reduce calibration fits a line to it).
     sizes = [4 << 10, 4 << 20]
-    raw = cost_model.measure(2, "gloo", sizes, [4 << 10, 1 << 20, 8 << 20])
-    res = cost_model.compare(raw, 2, "gloo", sizes)
+    for attempt in range(3):
+        raw = cost_model.measure(2, "gloo", sizes, [4 << 10, 1 << 20, 8 << 20])
+        try:
+            res = cost_model.compare(raw, 2, "gloo", sizes)
+            break
+        except ValueError as e:
+            # A busy moment of a shared machine can make 4 KiB slower than 4 MiB (30 timings'
+            # median of 3.5 ms against 2.5 ms, once): the fit refuses such a series by name, and
+            # this smoke test of the report measures again rather than judge the machine.
+            if "the series is noise" not in str(e) or attempt == 2:
+                raise
     assert len(res["rows"]) == len(cost_model.OPS) * len(sizes)
     cal = res["calibration"]
     for r in res["rows"]:
