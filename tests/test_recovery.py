@@ -68,6 +68,17 @@ def _last_step(run: Path) -> int:
     return json.loads(lines[-1])["step"] if lines else 0
 
 
+def _stepped_since_placed(run: Path) -> bool:
+    """Whether the world placement.json now describes has finished a step: a row newer than the
+    file, which the driver writes once every rank is set up. (A recovery from the survivors'
+    memory resumes at the step the run had reached, so the step count alone cannot say so.)"""
+    m, p = run / "metrics.jsonl", run / "placement.json"
+    if not m.exists() or not p.exists():
+        return False
+    lines = m.read_text().splitlines()
+    return bool(lines) and json.loads(lines[-1])["time"] > p.stat().st_mtime
+
+
 def _placement(run: Path) -> list[dict]:
     p = run / "placement.json"
     try:
@@ -113,12 +124,14 @@ def test_kill_blames_one_rank_a_stopped_rank_is_a_hang_and_a_lost_node_keeps_the
         first = _placement(r)
         events["killed"] = first[1]
         os.kill(first[1]["pid"], signal.SIGKILL)
-        r = wait_for(lambda r: (p := _placement(r)) and p[1]["pid"] != first[1]["pid"] and _last_step(r) >= 10)
+        r = wait_for(lambda r: (p := _placement(r)) and p[1]["pid"] != first[1]["pid"] and _last_step(r) >= 10
+                     and _stepped_since_placed(r))
         second = _placement(r)
         events["stopped"] = second[2]
         stopped.append(second[2]["pid"])
         os.kill(second[2]["pid"], signal.SIGSTOP)
-        r = wait_for(lambda r: (p := _placement(r)) and p[2]["pid"] != second[2]["pid"] and _last_step(r) >= 16)
+        r = wait_for(lambda r: (p := _placement(r)) and p[2]["pid"] != second[2]["pid"] and _last_step(r) >= 16
+                     and _stepped_since_placed(r))
         node = gpu_less_head.workers[-1]
         events["removed"] = node.node_id
         events["removed_ranks"] = [p["rank"] for p in _placement(r) if p["node_id"] == node.node_id]
