@@ -2,14 +2,13 @@
 
 Where the model states are replicated (DDP, HSDP's replica groups: the `dp_replicate` axis), a
 survivor holds exactly what the dead rank of its replica group held. So when a rank fails, each
-survivor keeps a host copy of its state as it leaves the broken group (`hold`), the driver picks
+survivor takes its state as it leaves the broken group and then keeps a host copy (`hold`), the driver picks
 one survivor per replica group that holds the newest step (`control/heal.py`), and that survivor
 broadcasts its copy to the rest of its group once the group has re-formed (`restore`): no
 storage is read, and no step since the last checkpoint is trained again.
 
-A copy is held only when it is one whole step: a rank that applied a step's update but failed
-before the step was done (its loss reduction or evaluation lost a peer) holds none, and is
-restored like a replaced rank.
+A copy is held only when it is one whole step: a rank that applied a step's update but has not
+made that step's metrics row holds none, and is restored like a replaced rank.
 """
 
 from __future__ import annotations

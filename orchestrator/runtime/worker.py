@@ -231,7 +231,7 @@ class Worker:
         self._rows: deque[dict[str, Any]] = deque(maxlen=ROWS_KEPT)
         """The newest steps' metrics rows: those rank 0 had not yet sent when it failed."""
         self._completed = 0
-        """The last step whose row this rank made: every part of it (evaluation too) done."""
+        """The last step whose row this rank made (before its evaluation, which may follow)."""
         self._stage = "idle"
         """Where `train` is: training; leaving, then holding (after a failure); idle."""
 
