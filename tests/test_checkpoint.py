@@ -81,6 +81,24 @@ def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_a_fenced_rank_neither_commits_nor_prunes(one_rank, tmp_path, monkeypatch):
+    # The driver fences a world before it chooses where the next one resumes: a commit after
+    # that would leave a newer checkpoint the next world then refuses to overwrite, and its
+    # pruning could delete the one chosen.
+    monkeypatch.setattr(checkpoint, "_fenced", False)
+    root = str(tmp_path)
+    group = checkpoint.writer_group()
+    checkpoint.save(root, 2, {"w": torch.full((8,), 2.0)}, {"world_size": 1}, keep_last=1)
+    pending = checkpoint.save_async(root, 4, {"w": torch.full((8,), 4.0)}, {"world_size": 1}, keep_last=1,
+                                    group=group)
+    checkpoint.fence()
+    with pytest.raises(CheckpointError, match="checkpoint of step 4 not committed"):
+        pending.commit()
+    with pytest.raises(CheckpointError, match="not committed"):
+        checkpoint.save(root, 6, {"w": torch.full((8,), 6.0)}, {"world_size": 1}, keep_last=1)
+    assert [c.rsplit("/", 1)[-1] for c in checkpoint_files.committed(root)] == ["step_00000002"]
+
+
 def test_hash_shares_cover_every_file_once_keeping_each_writers_shards_together():
     files = {f"__{r}_{i}.distcp": {} for r in range(5) for i in range(2)} | {".metadata": {}}
     parts = checkpoint_files.shares({"files": files}, 2)

@@ -174,6 +174,37 @@ def test_a_stopped_summary_counts_the_step_its_newest_checkpoint_proves(tmp_path
     assert summary["steps"] == 2 and len(summary["checkpoints"]) == 2
 
 
+def test_releasing_the_actors_fences_every_rank_before_killing_any(monkeypatch):
+    # Ray's kill is asynchronous: a rank killed mid-commit could commit a checkpoint after the
+    # driver chose where the next world resumes (seen as a grown world refusing to overwrite
+    # the step it reached). Every rank is told to commit nothing more first.
+    import ray
+
+    from orchestrator.control import placement as pl
+
+    calls = []
+
+    class Rank:
+        def __init__(self, r):
+            self.r = r
+            self.fence = type("M", (), {"remote": lambda _: calls.append(("fence", r)) or f"ref{r}"})()
+
+    waited = []
+    monkeypatch.setattr(ray, "kill", lambda a, **k: calls.append(("kill", a.r)))
+    monkeypatch.setattr(ray, "wait", lambda refs, **k: waited.append((list(refs), k.get("timeout"))) or (refs, []))
+    monkeypatch.setattr(pl, "remove_placement_group", lambda group: None)
+    ranks = [Rank(r) for r in range(3)]
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: None)
+    pl.Placement(group=None, actors=[], reports=[]).release()  # nothing placed: nothing to fence
+    assert calls == []
+    waited.clear()
+    for r in ranks:
+        r.__ray_ready__ = type("M", (), {"remote": lambda _: "ready"})()
+    pl.Placement(group=None, actors=ranks, reports=[]).release(wait_s=1.0)
+    assert calls == [("fence", 0), ("fence", 1), ("fence", 2), ("kill", 0), ("kill", 1), ("kill", 2)]
+    assert waited[0] == (["ref0", "ref1", "ref2"], pl.FENCE_S)
+
+
 def test_releasing_the_actors_waits_until_their_processes_have_exited(monkeypatch):
     # Ray calls a killed actor dead before its process exits; in between, a rank's checkpoint
     # thread committed a checkpoint (and pruned another) after the stopped run's summary had

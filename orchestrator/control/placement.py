@@ -24,6 +24,8 @@ from ..errors import PlacementError
 from ..planning import Plan
 
 NODE_ID_LABEL = "ray.io/node-id"
+FENCE_S = 2.0
+"""How long `release` waits for the ranks to confirm they commit no more checkpoints."""
 
 
 @dataclass
@@ -90,8 +92,16 @@ class Placement:
 
     def release(self, wait_s: float = 10.0) -> None:
         """Kill every actor and free the group; return once the actors are gone (at most
-        `wait_s`): a rank killed while it commits a checkpoint could otherwise commit it after
-        the next attempt chose where to resume from."""
+        `wait_s`). Every rank that answers is fenced first (`Worker.fence`): one killed while it
+        commits a checkpoint could otherwise commit it after the next attempt chose where to
+        resume from. One that does not answer within FENCE_S (stopped, or its node lost) cannot
+        run until the kill below ends it."""
+        fences = [a.fence.remote() for a in self.actors]
+        if fences:
+            try:
+                ray.wait(fences, num_returns=len(fences), timeout=FENCE_S)
+            except Exception:  # noqa: BLE001 - a dead rank commits nothing either
+                pass
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)

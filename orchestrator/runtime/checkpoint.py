@@ -13,6 +13,7 @@ holds the plain-data state, so loading never unpickles anything.
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -26,6 +27,21 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from ..errors import CheckpointError
 from .checkpoint_files import META, filesystem, is_local, manifest, prune, step_dir_name, url_of, verify
 from .state_names import canonical, restore_names, tied_aliases
+
+_commit_lock = threading.Lock()
+_fenced = False
+
+
+def fence() -> None:
+    """Commit no checkpoint from this process from now on; returns once a commit under way has
+    finished. Called before the driver kills a world it chooses a resume point for: a rank that
+    commits (and prunes) after that choice would leave the next world resuming from an older
+    checkpoint than the newest, or from one pruned away. Ray's kill is asynchronous and another
+    node's processes cannot be waited for, so the commit itself must be refused. A fenced
+    process is killed next: nothing lifts the fence."""
+    global _fenced
+    with _commit_lock:
+        _fenced = True
 
 
 def _prepare(root: str, step: int) -> tuple[Any, str, str, str]:
@@ -53,11 +69,14 @@ def _commit(fs, base: str, target: str, final: str, step: int, meta: dict[str, A
     if dist.get_rank() == 0:
         files = {name: rec for part in parts for name, rec in (part or {}).items()}
         record = {"step": step, **meta, "files": dict(sorted(files.items()))}
-        with fs.open(f"{target}/{META}", "w") as f:
-            f.write(json.dumps(record, indent=2))
-        if target != final:
-            fs.mv(target, final, recursive=True)
-        prune(fs, base, keep_last)
+        with _commit_lock:
+            if _fenced:
+                raise CheckpointError(f"checkpoint of step {step} not committed: this world is being stopped")
+            with fs.open(f"{target}/{META}", "w") as f:
+                f.write(json.dumps(record, indent=2))
+            if target != final:
+                fs.mv(target, final, recursive=True)
+            prune(fs, base, keep_last)
     dist.barrier()
     return url_of(fs, final)
 

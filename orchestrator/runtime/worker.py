@@ -245,6 +245,14 @@ class Worker:
         return self._stage
 
     @ray.method(concurrency_group="control")
+    def fence(self) -> None:
+        """Commit no checkpoint from now on (`checkpoint.fence`): the driver is about to choose
+        where the next world resumes and kill this one."""
+        from . import checkpoint
+
+        checkpoint.fence()
+
+    @ray.method(concurrency_group="control")
     def alive(self) -> int:
         return self.rank
 
