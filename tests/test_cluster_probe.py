@@ -84,6 +84,31 @@ def test_no_gpu_gives_cpu_slots(monkeypatch, tmp_path: Path) -> None:
     assert {l.kind for l in node.links} == {"shm"}
 
 
+def test_a_cpu_slots_speed_is_measured_once_per_kind_of_host(monkeypatch, tmp_path: Path) -> None:
+    # Measuring means importing torch in the probe, a second on the path to the first step:
+    # the figure is kept per CPU model, core count and torch build.
+    import json
+
+    from orchestrator.topology import local
+
+    measured = []
+    monkeypatch.setattr(local, "cpu_slot_tflops", lambda: measured.append(1) or 0.25)
+    monkeypatch.setenv(local.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    assert local.known_cpu_slot_tflops() == 0.25 and len(measured) == 1
+    assert local.known_cpu_slot_tflops() == 0.25 and len(measured) == 1  # taken from the cache
+    path = tmp_path / "cache" / "cpu_slot_tflops.json"
+    assert list(json.loads(path.read_text())) == [local._cpu_key()]
+    monkeypatch.setattr(local, "_cpu_key", lambda: "another CPU | 2 CPUs | torch 9")
+    assert local.known_cpu_slot_tflops() == 0.25 and len(measured) == 2  # another host: measured, both kept
+    assert len(json.loads(path.read_text())) == 2
+    path.write_text("{not json")
+    assert local.known_cpu_slot_tflops() == 0.25 and len(measured) == 3  # a damaged cache is measured over
+    monkeypatch.setenv(local.CACHE_DIR_ENV, str(path / "under-a-file"))  # nothing can be written there
+    assert local.known_cpu_slot_tflops() == 0.25 and len(measured) == 4
+    monkeypatch.setattr(local, "_cpu_key", lambda: None)  # no torch: nothing to measure with
+    assert local.known_cpu_slot_tflops() is None and len(measured) == 4
+
+
 def test_nvml_probe_gains_sysfs_nics(monkeypatch, tmp_path: Path) -> None:
     import fake_pynvml as fake
 

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from orchestrator.config import load_config
 from orchestrator.control.driver import run_job
-from orchestrator.control.placement import place
+from orchestrator.control.placement import claim, place, start_early
 from orchestrator.control.rundir import RunDir
 from orchestrator.control.trial import run_trial
 from orchestrator.errors import RunFailed
@@ -135,5 +135,38 @@ def test_a_candidate_that_cannot_run_is_dropped_and_all_failing_stops_the_run(cl
         with pytest.raises(RunFailed, match="every trial plan failed; the first, ddp on .*: RuntimeError: plan does"):
             run_trial(cfg, [Candidate("planned", broken, "broken")] * 2, placement, topology, console, True, None,
                       None)
+    finally:
+        placement.release()
+
+
+def test_workers_started_before_the_plan_are_taken_by_a_plan_over_their_devices(cluster):
+    # The driver starts a worker on every GPU while it probes and plans: a plan over exactly
+    # those GPUs keeps them, each actor taking the rank the plan puts on its device.
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, "parallel.strategy=ddp"])
+    kw = dict(job="early-test", num_workers=2, cpus_per_worker=0.25, threads_per_worker=1)
+    assert start_early(max_workers=3, **kw) is None  # elastic.max_workers=3 of 4 GPUs: not foreseeable
+    early = start_early(max_workers=0, **kw)
+    assert early is not None and early.use_gpu and sorted(early.slots_per_node.values()) == [2, 2]
+    started = {a._actor_id.hex() for a in early.placement.actors}
+    view, _ = plannable(probe_cluster(num_cpu_slots=2))
+    plan = plan_job(cfg, view)
+    placement = claim(early, plan, True, 60)
+    try:
+        assert placement is not None
+        assert {r["actor_id"] for r in placement.reports} == started
+        for want, got, actor in zip(plan.ranks, placement.reports, placement.actors):
+            assert (got["node_id"], got["gpu"], got["rank"]) == (want.node, want.gpu, want.rank)
+            assert actor._actor_id.hex() == got["actor_id"]
+        assert set(placement.timings) == {"placement_s", "actor_start_s"}
+    finally:
+        placement.release()
+    # A plan over two of the four GPUs: the early workers go, and their GPUs with them.
+    early = start_early(max_workers=0, **kw)
+    smaller = plan_job(cfg, view.limit(2))
+    assert claim(early, smaller, True, 60) is None
+    placement = place(smaller, job="early-test", use_gpu=True, cpus_per_worker=0.25, threads_per_worker=1,
+                      timeout_s=60)
+    try:
+        assert [(r["node_id"], r["gpu"]) for r in placement.reports] == [(r.node, r.gpu) for r in smaller.ranks]
     finally:
         placement.release()

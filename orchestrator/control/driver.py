@@ -38,7 +38,7 @@ from .failures import Regrow, WorkerFailure, raise_failure
 from .follow import RunState, consume, follow
 from .monitoring import announce
 from .phases import Phases
-from .placement import Placement, cpu_affinity, nccl_settings, place
+from .placement import EarlyStart, Placement, claim, cpu_affinity, nccl_settings, place, start_early
 from .preflight import compile_checked, measure_model
 from .progress import ProgressView
 from .report import write_report
@@ -106,17 +106,25 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     is recovered inside it, on the same plan and placement; any other raises WorkerFailure
     once every actor is released."""
     t = time.monotonic()
-    topology = _probe(cfg, run, console)
-    # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
-    view, left_out = plannable(topology)
-    use_gpu = uses_gpus(view)
-    view = limit_world(cfg, view)
-    devices_at_plan = view.num_devices
-    t_plan = time.monotonic()
-    plan = _plan(cfg, view, run, console, left_out, state, use_gpu)
+    # The workers start (processes, imports, devices) while the cluster is probed and planned.
+    early = start_early(job=cfg.name, num_workers=cfg.cluster.num_workers, max_workers=cfg.elastic.max_workers,
+                        cpus_per_worker=cfg.cluster.cpus_per_worker, threads_per_worker=_threads(cfg))
+    try:
+        topology = _probe(cfg, run, console)
+        # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
+        view, left_out = plannable(topology)
+        use_gpu = uses_gpus(view)
+        view = limit_world(cfg, view)
+        devices_at_plan = view.num_devices
+        t_plan = time.monotonic()
+        plan = _plan(cfg, view, run, console, left_out, state, use_gpu)
+    except BaseException:
+        if early is not None:
+            early.placement.release(fence=False)
+        raise
     _phase(state, "probe_s", t_plan - t)
     _phase(state, "plan_s", time.monotonic() - t_plan)
-    placement = _place(cfg, plan, console, use_gpu)
+    placement = _place(cfg, plan, console, use_gpu, early)
     for name, seconds in placement.timings.items():
         _phase(state, name, seconds)
     try:
@@ -263,14 +271,19 @@ def _plan(cfg: JobConfig, view: ClusterTopology, run: RunDir, console: Console, 
     return plan
 
 
-def _place(cfg: JobConfig, plan: Plan, console: Console, use_gpu: bool) -> Placement:
-    """One worker actor per rank in a placement group, each on its planned node and device."""
+def _place(cfg: JobConfig, plan: Plan, console: Console, use_gpu: bool, early: EarlyStart | None = None) -> Placement:
+    """One worker actor per rank in a placement group, each on its planned node and device:
+    the workers started early where the plan runs on exactly their devices."""
     with console.status(f"placing {plan.world_size} workers"):
-        return place(
+        claimed = claim(early, plan, use_gpu, cfg.cluster.placement_timeout_s) if early is not None else None
+        return claimed or place(
             plan, job=cfg.name, use_gpu=use_gpu, cpus_per_worker=cfg.cluster.cpus_per_worker,
-            threads_per_worker=max(1, int(cfg.cluster.cpus_per_worker)),
-            timeout_s=cfg.cluster.placement_timeout_s,
+            threads_per_worker=_threads(cfg), timeout_s=cfg.cluster.placement_timeout_s,
         )
+
+
+def _threads(cfg: JobConfig) -> int:
+    return max(1, int(cfg.cluster.cpus_per_worker))
 
 
 def _start(cfg: JobConfig, plan: Plan, topology: ClusterTopology, run: RunDir, console: Console,

@@ -90,13 +90,14 @@ class Placement:
             self.reports[r] = {**report, "rank": r}
         return time.monotonic() - t0
 
-    def release(self, wait_s: float = 10.0) -> None:
+    def release(self, wait_s: float = 10.0, fence: bool = True) -> None:
         """Kill every actor and free the group; return once the actors are gone (at most
         `wait_s`). Every rank that answers is fenced first (`Worker.fence`): one killed while it
         commits a checkpoint could otherwise commit it after the next attempt chose where to
         resume from. One that does not answer within FENCE_S (stopped, or its node lost) cannot
-        run until the kill below ends it."""
-        fences = [a.fence.remote() for a in self.actors]
+        run until the kill below ends it. `fence=False`: workers that never trained (nothing to
+        fence, and a fence would wait for one still starting)."""
+        fences = [a.fence.remote() for a in self.actors] if fence else []
         if fences:
             try:
                 ray.wait(fences, num_returns=len(fences), timeout=FENCE_S)
@@ -212,21 +213,11 @@ def place(
     pin_nodes: bool = True,
 ) -> Placement:
     """Reserve the plan's devices and start one worker actor per rank, in rank order."""
-    from ..runtime.worker import Worker
-
     labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
     bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes, labels)
     t_group = time.monotonic()
     pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
-    ready = pg.ready()
-    done, _ = ray.wait([ready], timeout=timeout_s)
-    if not done:
-        msg = _missing(bundles, selectors)
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"the cluster cannot hold the plan's {len(bundles)} workers after {timeout_s:g}s "
-            f"(cluster.placement_timeout_s): {msg}"
-        )
+    _wait_ready(pg, bundles, selectors, timeout_s)
 
     ranks = plan.ranks
     bundle_of_rank = list(range(len(ranks)))
@@ -248,27 +239,7 @@ def place(
             raise PlacementError(f"Ray reserved GPUs {got} but the plan needs {want}; "
                                  f"plan for all GPUs of each node or free the others") from None
 
-    slot_on_node: dict[str, int] = defaultdict(int)
-    slot_of_rank = []
-    for r in ranks:
-        slot_of_rank.append(slot_on_node[r.node])
-        slot_on_node[r.node] += 1
-
-    def spawn(slot: int) -> Any:
-        # Named by slot, not rank: a trial may give the actor on a device another rank.
-        return Worker.options(
-            name=f"{job}/worker-{slot}",
-            num_cpus=cpus_per_worker,
-            num_gpus=1 if use_gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_of_rank[slot]),
-            # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
-            # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
-            # of its node itself, numbered in PCI bus order as NVML (and the topology) does.
-            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-                                      "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
-            max_restarts=0,
-        ).remote(slot, len(ranks), slot_of_rank[slot], threads_per_worker)
-
+    spawn = _spawner(pg, job, [r.node for r in ranks], bundle_of_rank, use_gpu, cpus_per_worker, threads_per_worker)
     t_actors = time.monotonic()
     placement = Placement(group=pg, actors=[spawn(r.rank) for r in ranks], spawn=spawn,
                           devices=[(r.node, r.gpu) for r in ranks], slots=list(range(len(ranks))))
@@ -280,6 +251,118 @@ def place(
     placement.timings = {"placement_s": t_actors - t_group, "actor_start_s": time.monotonic() - t_actors}
     check_layout(plan, placement.reports, use_gpu)
     return placement
+
+
+def _wait_ready(pg, bundles: list[dict], selectors: list[dict] | None, timeout_s: float) -> None:
+    """Wait for the group's bundles; PlacementError saying what the cluster lacks after `timeout_s`."""
+    done, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not done:
+        msg = _missing(bundles, selectors)
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"the cluster cannot hold the plan's {len(bundles)} workers after {timeout_s:g}s "
+            f"(cluster.placement_timeout_s): {msg}"
+        )
+
+
+def _spawner(pg, job: str, node_of_slot: list[str], bundle_of_slot: list[int], use_gpu: bool,
+             cpus_per_worker: float, threads_per_worker: int):
+    """spawn(slot) -> a worker actor in the bundle of `slot`, named by slot, not rank: a trial
+    (or a plan made after the actors started) may give the actor on a device another rank."""
+    from ..runtime.worker import Worker
+
+    on_node: dict[str, int] = defaultdict(int)
+    cpu_slot = []  # the slot's index among its node's: which CPU slot a CPU rank takes
+    for node in node_of_slot:
+        cpu_slot.append(on_node[node])
+        on_node[node] += 1
+
+    def spawn(slot: int) -> Any:
+        return Worker.options(
+            name=f"{job}/worker-{slot}",
+            num_cpus=cpus_per_worker,
+            num_gpus=1 if use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_of_slot[slot]),
+            # Ray would mask CUDA_VISIBLE_DEVICES to the actor's own GPU, which hides its
+            # peers from NCCL and turns NVLink/P2P off; each worker exposes the job's GPUs
+            # of its node itself, numbered in PCI bus order as NVML (and the topology) does.
+            runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                      "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}} if use_gpu else None,
+            max_restarts=0,
+        ).remote(slot, len(node_of_slot), cpu_slot[slot], threads_per_worker)
+
+    return spawn
+
+
+@dataclass
+class EarlyStart:
+    """Workers started on every device Ray offers before the probe, so their processes start,
+    import torch and ready their device while the driver probes and plans: a plan over
+    exactly these devices takes them (`claim`), any other releases them."""
+
+    placement: Placement
+    use_gpu: bool
+    slots_per_node: dict[str, int]
+    """How many devices of each node the workers hold."""
+    bundles: list[dict]
+    selectors: list[dict]
+
+
+def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker: float,
+                threads_per_worker: int) -> EarlyStart | None:
+    """Reserve and start a worker on every GPU of every alive node (a GPU-less cluster of one
+    node: its `num_workers` CPU slots, as the probe counts them), without waiting; None where
+    the plan's devices cannot be foreseen from Ray's resources alone: several GPU-less nodes,
+    or more devices than elastic.max_workers lets a plan use."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    gpus = {n["NodeID"]: int(n.get("Resources", {}).get("GPU", 0)) for n in alive}
+    use_gpu = any(gpus.values())
+    if use_gpu:
+        slots_per_node = {node: count for node, count in gpus.items() if count}
+    elif len(alive) == 1 and num_workers > 0:
+        slots_per_node = {alive[0]["NodeID"]: num_workers}
+    else:
+        return None
+    if max_workers and sum(slots_per_node.values()) > max_workers:
+        return None
+    node_of_slot = [node for node, count in slots_per_node.items() for _ in range(count)]
+    bundles = [{"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})} for _ in node_of_slot]
+    selectors = [{NODE_ID_LABEL: node} for node in node_of_slot]
+    pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
+    spawn = _spawner(pg, job, node_of_slot, list(range(len(node_of_slot))), use_gpu, cpus_per_worker,
+                     threads_per_worker)
+    placement = Placement(group=pg, actors=[spawn(i) for i in range(len(node_of_slot))], spawn=spawn,
+                          slots=list(range(len(node_of_slot))))
+    return EarlyStart(placement, use_gpu, slots_per_node, bundles, selectors)
+
+
+def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Placement | None:
+    """The early workers, re-ranked for `plan` (`Placement.adopt`), where `plan` runs on exactly
+    their devices (raising, once they are released, what `place` would: the cluster cannot
+    hold them, one did not start); otherwise they are released and None returned, and the
+    plan is placed afresh. Timings count only the wait after the plan."""
+    from collections import Counter
+
+    p = early.placement
+    if use_gpu != early.use_gpu or Counter(plan.node_of_rank) != Counter(early.slots_per_node):
+        p.release(fence=False)
+        return None
+    labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
+    try:
+        domain_selectors(plan, labels)  # a node advertising another NVLink domain than probed stops here
+        t0 = time.monotonic()
+        _wait_ready(p.group, early.bundles, early.selectors, timeout_s)
+        t_actors = time.monotonic()
+        p.reports = ray.get([a.report.remote() for a in p.actors], timeout=timeout_s)
+        p.reports = [{**rep, "rank": i} for i, rep in enumerate(p.reports)]
+        p.devices = [(rep["node_id"], rep["gpu"] if use_gpu else rep["cpu_slot"]) for rep in p.reports]
+        p.adopt(plan)
+        check_layout(plan, p.reports, use_gpu)
+    except BaseException:
+        p.release(fence=False)
+        raise
+    p.timings = {"placement_s": t_actors - t0, "actor_start_s": time.monotonic() - t_actors}
+    return p
 
 
 def check_layout(plan: Plan, reports: list[dict[str, Any]], use_gpu: bool) -> None:

@@ -15,10 +15,12 @@ from ..planning.model_spec import ModelSpec
 def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> ModelSpec | None:
     """The model's spec, measured on the meta device; None for the built-in GPT. ConfigError
     (one line naming the key) for a model that breaks the contract."""
-    from ..workloads.inspect import is_builtin_gpt, model_spec
+    from ..workloads.source import is_builtin_gpt
 
     if is_builtin_gpt(cfg.model, model_fn):
-        return None
+        return None  # priced from its config: the driver need not import torch (most of a second)
+    from ..workloads.inspect import model_spec
+
     spec = model_spec(cfg.model, model_fn)
     if cfg.train.compile == "true":
         # Traced now, so a break is refused before anything starts; under `auto` only once a

@@ -8,6 +8,7 @@ with their PCIe distance to each GPU, and the NUMA nodes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -27,6 +28,8 @@ MISSING_NIC_WARNING = "names NIC(s) this node does not have"
 # NIC names that are placeholders, not device names: `NIC3` columns without a legend, PCI addresses.
 _PLACEHOLDER_NIC = re.compile(r"^(NIC\d+|[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7])$")
 _SMI_TIMEOUT_S = 30
+CACHE_DIR_ENV = "ORCHESTRATOR_CACHE_DIR"
+"""Where the probe keeps what it measured of a host's CPU (default: ~/.cache/orchestrator)."""
 
 
 def probe_local(
@@ -64,7 +67,7 @@ def probe_local(
     node.numa_nodes = numa_nodes(sysfs_root)
     share = host_memory_bytes() // slots
     # CPUs differ by 10x in what one core multiplies; no table knows this one, so measure it.
-    tflops = cpu_slot_tflops()
+    tflops = known_cpu_slot_tflops()
     for d in node.devices:
         d.measured_tflops = tflops
         d.memory_bytes = d.memory_bytes or share
@@ -76,6 +79,57 @@ def missing_nics(node: NodeTopology, root: str | Path = "/") -> list[str]:
     base = Path(root)
     return [n.name for n in node.nics if not _PLACEHOLDER_NIC.match(n.name)
             and not any((base / "sys/class" / cls / n.name).exists() for cls in ("infiniband", "net"))]
+
+
+def known_cpu_slot_tflops() -> float | None:
+    """`cpu_slot_tflops`, measured once per kind of host and kept in the cache directory: the
+    figure belongs to the CPU model, its core count and the torch build, and measuring it
+    means importing torch in the probe (a second of CPU on every node, on the critical path
+    to the first step). `cluster.measure` measures afresh."""
+    key = _cpu_key()
+    if key is None:  # no torch here: nothing to measure with
+        return None
+    path = _cache_dir() / "cpu_slot_tflops.json"
+    try:
+        known = json.loads(path.read_text())
+        value = known.get(key) if isinstance(known, dict) else None
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    except (OSError, ValueError):
+        known = {}
+    value = cpu_slot_tflops()
+    if value:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: value}, indent=1))
+            tmp.replace(path)  # concurrent probes of one host never see half a file
+        except OSError:  # a read-only home: measured again next time
+            pass
+    return value
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "orchestrator"
+
+
+def _cpu_key() -> str | None:
+    """The CPU model, logical CPU count and torch version, or None without torch."""
+    from importlib import metadata
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{model or 'unknown CPU'} | {os.cpu_count()} CPUs | torch {torch_version}"
 
 
 def cpu_slot_tflops(seconds: float = 0.2, n: int = 512) -> float | None:

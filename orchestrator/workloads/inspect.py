@@ -33,7 +33,6 @@ from .models import (
     pipeline_ends,
     tp_plan,
 )
-from .source import is_builtin_gpt  # noqa: F401 - re-exported for the driver
 
 
 def distinct_params(module: nn.Module) -> int:
