@@ -321,7 +321,9 @@ class Worker:
             self.memory_baseline = memory_baseline(device)
         from . import checkpoint
 
-        self.writer_group = checkpoint.writer_group() if cfg.checkpoint.async_save else None
+        # A group of its own costs a rendezvous: made only where checkpoints will be written.
+        self.writer_group = (checkpoint.writer_group() if cfg.checkpoint.enabled and cfg.checkpoint.async_save
+                             else None)
         self.trainer = Trainer(cfg, plan, device, model_fn, resuming=resume_from is not None)
         t_build = time.monotonic()
         self.metrics = TrainMetrics(cfg.name, self.rank, planned_bytes=plan.memory_per_rank.total,
