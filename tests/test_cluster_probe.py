@@ -61,6 +61,40 @@ def test_probe_cluster_reports_each_declared_node(two_nodes) -> None:
     assert topo.network.source == "default"
 
 
+def test_a_node_is_probed_in_the_jobs_worker_there_or_by_task_when_it_cannot_answer(two_nodes) -> None:
+    # The driver's workers start before the probe; a node with one is probed in it (no process
+    # of the probe's own to start), and one whose worker died is probed by the task as before.
+    import os
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    head_id, worker_id = two_nodes
+
+    @ray.remote(num_cpus=0)
+    class Prober:
+        def probe(self, slots: int) -> dict:
+            from orchestrator.topology.cluster_probe import _probe_on_node
+
+            return {**_probe_on_node(slots), "hostname": f"probed in {os.getpid()}"}
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    def on(node: str):
+        return Prober.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+    live, dead = on(worker_id), on(head_id)
+    live_pid = ray.get(live.pid.remote())
+    ray.get(dead.pid.remote())
+    ray.kill(dead)
+    topo = probe_cluster(on={worker_id: live, head_id: dead})
+    assert topo.node(worker_id).hostname == f"probed in {live_pid}"
+    assert topo.node(worker_id).num_devices == 8 and topo.node(worker_id).source == f"declared:{A6000}"
+    assert not topo.node(head_id).hostname.startswith("probed in")
+    assert topo.node(head_id).num_devices == 4 and topo.node(head_id).source == f"declared:{PCIE4}"
+
+
 def test_declared_file_wins_and_bad_file_is_a_topology_error(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv(TOPOLOGY_FILE_ENV, str(A6000))
     node = probe_local()

@@ -110,7 +110,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     early = start_early(job=cfg.name, num_workers=cfg.cluster.num_workers, max_workers=cfg.elastic.max_workers,
                         cpus_per_worker=cfg.cluster.cpus_per_worker, threads_per_worker=_threads(cfg))
     try:
-        topology = _probe(cfg, run, console)
+        topology = _probe(cfg, run, console, early.probers() if early is not None else None)
         # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
         view, left_out = plannable(topology)
         use_gpu = uses_gpus(view)
@@ -212,14 +212,15 @@ def _full_restart_clock(state: RunState, f: WorkerFailure) -> None:
     state.phases.add("teardown_s", f.teardown_s)
 
 
-def _probe(cfg: JobConfig, run: RunDir, console: Console) -> ClusterTopology:
+def _probe(cfg: JobConfig, run: RunDir, console: Console, on: dict | None = None) -> ClusterTopology:
     """Every node's interconnect, written to topology.json; the warnings a user must act on
-    (NICs a node declares but lacks) are repeated on the console."""
+    (NICs a node declares but lacks) are repeated on the console. `on`: a worker already
+    started on a node, to probe it in (`EarlyStart.probers`)."""
     from ..topology.cluster_probe import probe_cluster
     from ..topology.local import MISSING_NIC_WARNING
 
     with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
-        topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers)
+        topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers, on=on)
     run.write_text("topology.json", topology.to_json())
     for warning in dict.fromkeys(w for n in topology.nodes for w in n.warnings if MISSING_NIC_WARNING in w):
         console.print(f"[yellow]warning:[/] {escape(warning)}")

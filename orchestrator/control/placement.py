@@ -306,6 +306,19 @@ class EarlyStart:
     """How many devices of each node the workers hold."""
     bundles: list[dict]
     selectors: list[dict]
+    node_of_slot: list[str]
+
+    def probers(self, wait_s: float = 1.0) -> dict[str, Any]:
+        """One worker per node to probe that node in (`probe_cluster(on=...)`), once the group
+        is placed, which takes milliseconds where the devices are free; {} where it is not
+        within `wait_s` (held by another job: the probe's tasks need no device)."""
+        done, _ = ray.wait([self.placement.group.ready()], timeout=wait_s)
+        if not done:
+            return {}
+        out: dict[str, Any] = {}
+        for node, actor in zip(self.node_of_slot, self.placement.actors):
+            out.setdefault(node, actor)
+        return out
 
 
 def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker: float,
@@ -333,7 +346,7 @@ def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker
                      threads_per_worker)
     placement = Placement(group=pg, actors=[spawn(i) for i in range(len(node_of_slot))], spawn=spawn,
                           slots=list(range(len(node_of_slot))))
-    return EarlyStart(placement, use_gpu, slots_per_node, bundles, selectors)
+    return EarlyStart(placement, use_gpu, slots_per_node, bundles, selectors, node_of_slot)
 
 
 def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Placement | None:
@@ -356,6 +369,11 @@ def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Pla
         p.reports = ray.get([a.report.remote() for a in p.actors], timeout=timeout_s)
         p.reports = [{**rep, "rank": i} for i, rep in enumerate(p.reports)]
         p.devices = [(rep["node_id"], rep["gpu"] if use_gpu else rep["cpu_slot"]) for rep in p.reports]
+        if sorted(p.devices) != sorted((r.node, r.gpu) for r in plan.ranks):
+            # Ray gave the bundles other GPUs than the plan's (a node offering Ray fewer than
+            # it has): `place` asks for the plan's own, or says why it cannot.
+            p.release(fence=False)
+            return None
         p.adopt(plan)
         check_layout(plan, p.reports, use_gpu)
     except BaseException:

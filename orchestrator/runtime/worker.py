@@ -244,6 +244,13 @@ class Worker:
         """Where `train` is (`_stage`), answered while a step is blocked in a collective."""
         return self._stage
 
+    def probe(self, num_cpu_slots: int) -> dict[str, Any]:
+        """This node's topology, probed in this process for the driver (`probe_cluster(on=...)`):
+        a worker started before the plan saves its node the probe's own process."""
+        from ..topology.cluster_probe import _probe_on_node
+
+        return _probe_on_node(num_cpu_slots)
+
     @ray.method(concurrency_group="control")
     def fence(self) -> None:
         """Commit no checkpoint from now on (`checkpoint.fence`): the driver is about to choose

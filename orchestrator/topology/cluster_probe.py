@@ -18,6 +18,8 @@ from .model import ClusterTopology, NodeTopology
 from .network import network_from_nodes
 
 PROBE_TIMEOUT_S = 120.0
+ON_WORKER_TIMEOUT_S = 60.0
+"""How long a node's probe waits for the job's worker there (`on`) before a task probes it."""
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +28,14 @@ def _probe_on_node(num_cpu_slots: int) -> dict[str, Any]:
     return probe_local(num_cpu_slots).to_dict()
 
 
-def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopology:
+def probe_cluster(measure: bool = False, num_cpu_slots: int = 0, on: dict[str, Any] | None = None) -> ClusterTopology:
     """The topology of every alive node of the connected Ray cluster (ray.init must have run).
 
     `num_cpu_slots` sizes GPU-less nodes (the job's workers per node); 0 takes each node's
-    Ray CPU count. With `measure`, links are then measured (see :mod:`.measure`).
+    Ray CPU count. With `measure`, links are then measured (see :mod:`.measure`). `on` maps
+    a node id to an actor already started there with a `probe(num_cpu_slots)` method (the
+    job's own workers): that node is probed in it, with no process to start for the task;
+    where the actor cannot answer, by the task after all.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -41,22 +46,33 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0) -> ClusterTopol
     if not alive:
         raise TopologyError("the Ray cluster has no alive node to probe")
     task = ray.remote(_probe_on_node)
-    refs = {}
-    for n in alive:
-        slots = num_cpu_slots or max(1, int(n.get("Resources", {}).get("CPU", 1)))
-        refs[n["NodeID"]] = task.options(
+    on = on or {}
+
+    def slots_of(n: dict) -> int:
+        return num_cpu_slots or max(1, int(n.get("Resources", {}).get("CPU", 1)))
+
+    def by_task(n: dict):
+        return task.options(
             # The probe uses no slot a training worker could use, so it runs on a full node too.
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False),
             max_retries=0,
-        ).remote(slots)
+        ).remote(slots_of(n))
+
+    refs = {n["NodeID"]: on[n["NodeID"]].probe.remote(slots_of(n)) if n["NodeID"] in on else by_task(n)
+            for n in alive}
 
     nodes = []
     for n in alive:
         node_id = n["NodeID"]
         where = f"node {node_id[:12]} ({n.get('NodeManagerAddress', '?')})"
         try:
-            result = ray.get(refs[node_id], timeout=PROBE_TIMEOUT_S)
+            try:
+                result = ray.get(refs[node_id], timeout=ON_WORKER_TIMEOUT_S if node_id in on else PROBE_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if node_id not in on:
+                    raise
+                result = ray.get(by_task(n), timeout=PROBE_TIMEOUT_S)  # the worker did not start: as any node
         except ray.exceptions.GetTimeoutError:
             raise TopologyError(f"{where}: the topology probe did not answer within {PROBE_TIMEOUT_S:.0f} s") from None
         except ray.exceptions.RayTaskError as e:
