@@ -74,9 +74,7 @@ def test_a_node_is_probed_in_the_jobs_worker_there_or_by_task_when_it_cannot_ans
     @ray.remote(num_cpus=0)
     class Prober:
         def probe(self, slots: int) -> dict:
-            from orchestrator.topology.cluster_probe import _probe_on_node
-
-            return {**_probe_on_node(slots), "hostname": f"probed in {os.getpid()}"}
+            return {**probe_local(slots).to_dict(), "hostname": f"probed in {os.getpid()}"}
 
         def pid(self) -> int:
             return os.getpid()

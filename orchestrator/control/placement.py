@@ -305,8 +305,11 @@ class EarlyStart:
     slots_per_node: dict[str, int]
     """How many devices of each node the workers hold."""
     bundles: list[dict]
+    """Each slot's bundle: what `claim` reports missing when the group cannot be held."""
     selectors: list[dict]
+    """Each bundle's label selector, pinning it to its node."""
     node_of_slot: list[str]
+    """The node each slot's worker runs on."""
 
     def probers(self, wait_s: float = 1.0) -> dict[str, Any]:
         """One worker per node to probe that node in (`probe_cluster(on=...)`), once the group

@@ -247,9 +247,9 @@ class Worker:
     def probe(self, num_cpu_slots: int) -> dict[str, Any]:
         """This node's topology, probed in this process for the driver (`probe_cluster(on=...)`):
         a worker started before the plan saves its node the probe's own process."""
-        from ..topology.cluster_probe import _probe_on_node
+        from ..topology.local import probe_local
 
-        return _probe_on_node(num_cpu_slots)
+        return probe_local(num_cpu_slots).to_dict()
 
     @ray.method(concurrency_group="control")
     def fence(self) -> None:
