@@ -160,6 +160,10 @@ def test_workers_started_before_the_plan_are_taken_by_a_plan_over_their_devices(
         assert set(placement.timings) == {"placement_s", "actor_start_s"}
     finally:
         placement.release()
+    # Ray gave each node's bundles its GPUs 0 and 1: a plan naming others is placed afresh.
+    early = start_early(max_workers=0, **kw)
+    elsewhere = replace(plan, ranks=tuple(replace(r, gpu=r.gpu + 2) for r in plan.ranks))
+    assert claim(early, elsewhere, True, 60) is None
     # A plan over two of the four GPUs: the early workers go, and their GPUs with them.
     early = start_early(max_workers=0, **kw)
     smaller = plan_job(cfg, view.limit(2))
