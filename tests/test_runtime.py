@@ -130,12 +130,16 @@ def test_pipeline_two_workers_end_at_the_val_loss_of_pp1_and_survive_a_killed_st
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5, msg=k)
     # The last stage's process killed mid-run: the pipeline restarts from its last committed
-    # checkpoint and ends exactly where the uninterrupted pipeline did.
+    # checkpoint and ends exactly where the uninterrupted pipeline did. The driver sees a step
+    # up to a second after it ends, and 12 steps of milliseconds can all be over by then: this
+    # run evaluates every step and writes its checkpoints synchronously, which changes neither
+    # its weights nor its last validation loss, so the kill lands while it still trains.
     done = threading.Event()
     killer = threading.Thread(target=_kill_rank_when, args=(tmp_path / "killed", 1, 3, done), daemon=True)
     killer.start()
     try:
-        killed_dir, killed, _ = _run(tmp_path / "killed", *common, *pp2, "train.max_failures=1")
+        killed_dir, killed, _ = _run(tmp_path / "killed", *common, *pp2, "train.max_failures=1",
+                                     "train.eval_interval=1", "checkpoint.async_save=false")
     finally:
         done.set()
     (restart,) = killed["restarts"]
