@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -302,14 +302,17 @@ class EarlyStart:
 
     placement: Placement
     use_gpu: bool
-    slots_per_node: dict[str, int]
-    """How many devices of each node the workers hold."""
     bundles: list[dict]
     """Each slot's bundle: what `claim` reports missing when the group cannot be held."""
     selectors: list[dict]
     """Each bundle's label selector, pinning it to its node."""
     node_of_slot: list[str]
     """The node each slot's worker runs on."""
+
+    @property
+    def slots_per_node(self) -> dict[str, int]:
+        """How many devices of each node the workers hold."""
+        return dict(Counter(self.node_of_slot))
 
     def probers(self, wait_s: float = 1.0) -> dict[str, Any]:
         """One worker per node to probe that node in (`probe_cluster(on=...)`), once the group
@@ -349,7 +352,7 @@ def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker
                      threads_per_worker)
     placement = Placement(group=pg, actors=[spawn(i) for i in range(len(node_of_slot))], spawn=spawn,
                           slots=list(range(len(node_of_slot))))
-    return EarlyStart(placement, use_gpu, slots_per_node, bundles, selectors, node_of_slot)
+    return EarlyStart(placement, use_gpu, bundles, selectors, node_of_slot)
 
 
 def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Placement | None:
@@ -357,10 +360,8 @@ def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Pla
     their devices (raising, once they are released, what `place` would: the cluster cannot
     hold them, one did not start); otherwise they are released and None returned, and the
     plan is placed afresh. Timings count only the wait after the plan."""
-    from collections import Counter
-
     p = early.placement
-    if use_gpu != early.use_gpu or Counter(plan.node_of_rank) != Counter(early.slots_per_node):
+    if use_gpu != early.use_gpu or Counter(plan.node_of_rank) != Counter(early.node_of_slot):
         p.release(fence=False)
         return None
     labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}

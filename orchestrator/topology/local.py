@@ -92,17 +92,18 @@ def known_cpu_slot_tflops() -> float | None:
     path = _cache_dir() / "cpu_slot_tflops.json"
     try:
         known = json.loads(path.read_text())
-        value = known.get(key) if isinstance(known, dict) else None
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
     except (OSError, ValueError):
         known = {}
+    known = known if isinstance(known, dict) else {}
+    value = known.get(key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
     value = cpu_slot_tflops()
     if value:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({**(known if isinstance(known, dict) else {}), key: value}, indent=1))
+            tmp.write_text(json.dumps({**known, key: value}, indent=1))
             tmp.replace(path)  # concurrent probes of one host never see half a file
         except OSError:  # a read-only home: measured again next time
             pass
