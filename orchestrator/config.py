@@ -159,7 +159,7 @@ class ParallelConfig:
     `off`, or a number of plans (at least 2; runs whatever the run's length). The fastest
     measured plan is the one that trains; plan.json's `trial` says what each measured."""
     trial_steps: int = 3
-    """Timed steps of each trial plan (after one untimed warm-up step)."""
+    """Timed steps of each trial plan (after one untimed warm-up step); its fastest is its figure."""
     trial_budget: float = 0.05
     """The share of the run's predicted time a `parallel.trial=auto` trial may take; a run too
     short for it skips the trial."""

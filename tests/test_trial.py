@@ -79,6 +79,10 @@ def test_the_fastest_measured_plan_trains_as_it_would_without_a_trial(cluster, t
     assert labels[:2] == ["planned", "equal links"] and len(labels) >= 2
     assert all(c["failed"] is None and c["measured_step_s"] > 0 and c["predicted_step_s"] > 0
                for c in trial["candidates"])
+    # Each plan's figure is its fastest timed step; the fastest figure wins.
+    assert all(len(c["measured_steps_s"]) == trial["timed_steps"]
+               and c["measured_step_s"] == pytest.approx(min(c["measured_steps_s"]), abs=1e-4)
+               for c in trial["candidates"])
     best = trial["candidates"][trial["winner"]]
     assert best["measured_step_s"] == min(c["measured_step_s"] for c in trial["candidates"])
     # What trains is the plan the trial kept, laid out as that plan says.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -37,14 +37,21 @@ class Measured:
     """One candidate's trial."""
 
     candidate: Candidate
-    step_s: float | None = None
-    """Median of its timed steps (the slowest rank's, step by step); None when it failed."""
+    steps_s: list[float] = field(default_factory=list)
+    """Each timed step's seconds, as long as its slowest rank's; none when it failed."""
     exposed_comm_s: float | None = None
-    """Median exposed communication of its timed steps, where the ranks measured it."""
+    """Exposed communication of its fastest step (the median over the ranks that measured it)."""
     setup_s: float = 0.0
     """Seconds to form its group and build its model."""
     failed: str | None = None
     """Why it was dropped, in one line."""
+
+    @property
+    def step_s(self) -> float | None:
+        """Its fastest timed step; None when it failed. Other work on the hosts only ever adds
+        time (a cluster still settling after its start, the previous plan's memory going back),
+        and it fell on the first plans tried, so a plan's fastest step is what the plan costs."""
+        return min(self.steps_s) if self.steps_s else None
 
     def row(self) -> dict[str, Any]:
         p = self.candidate.plan
@@ -58,17 +65,20 @@ class Measured:
                 "pipeline": {"schedule": str(pl.schedule), "microbatches": pl.microbatches} if pl else None,
                 "predicted_step_s": st.total_s, "predicted_compute_s": st.compute_s + st.bubble_s,
                 "predicted_communication_s": st.exposed_comm_s, "measured_step_s": self.step_s,
+                "measured_steps_s": [round(t, 4) for t in self.steps_s],
                 "measured_compute_s": measured_compute, "measured_communication_s": self.exposed_comm_s,
                 "setup_s": round(self.setup_s, 3), "failed": self.failed}
 
 
-def _summarise(per_rank: list[list[tuple[float, float | None]]]) -> tuple[float, float | None]:
-    """(median step seconds, median exposed communication) over the timed steps: each step as
-    long as its slowest rank, since no rank starts the next before every rank ends this one."""
+def _summarise(per_rank: list[list[tuple[float, float | None]]]) -> tuple[list[float], float | None]:
+    """(each timed step's seconds, the exposed communication of the fastest): a step is as long
+    as its slowest rank, since no rank starts the next before every rank ends this one; its
+    exposed communication is the median over the ranks that measured it."""
     timed = [steps[WARMUP_STEPS:] for steps in per_rank]
-    step = statistics.median(max(rank[i][0] for rank in timed) for i in range(len(timed[0])))
-    exposed = [c for rank in timed for _, c in rank if c is not None]
-    return step, (statistics.median(exposed) if exposed else None)
+    steps = [max(rank[i][0] for rank in timed) for i in range(len(timed[0]))]
+    fastest = steps.index(min(steps))
+    exposed = [rank[fastest][1] for rank in timed if rank[fastest][1] is not None]
+    return steps, (statistics.median(exposed) if exposed else None)
 
 
 def _one_line(err: BaseException) -> str:
@@ -137,7 +147,7 @@ def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_g
         _all(refs, cfg.cluster.placement_timeout_s)
         m.setup_s = time.monotonic() - t0
         refs = [a.trial.remote(steps) for a in actors]
-        m.step_s, m.exposed_comm_s = _summarise(_all(refs, timeout))
+        m.steps_s, m.exposed_comm_s = _summarise(_all(refs, timeout))
     except (RayActorError, RayTaskError, GetTimeoutError) as err:
         m.failed = (f"no step within {timeout:.0f} s" if isinstance(err, GetTimeoutError) else _one_line(err))
         _reset(placement, refs, e.leave_timeout_s, cfg.cluster.placement_timeout_s)
@@ -212,7 +222,7 @@ def write_calibration(run: RunDir, measured: list[Measured]) -> dict[str, float]
 
 def show(console: Console, measured: list[Measured], best: Measured) -> None:
     table = Table(title="trial: measured on the cluster", title_justify="left")
-    for col in ("plan", "strategy", "mesh", "sync", "predicted s/step", "measured s/step", ""):
+    for col in ("plan", "strategy", "mesh", "sync", "predicted s/step", "measured s/step (fastest)", ""):
         table.add_column(col)
     for m in measured:
         p = m.candidate.plan
