@@ -246,7 +246,7 @@ def _trial_choice(plan: dict[str, Any]) -> dict[str, Any]:
     kept = trial["candidates"][trial["winner"]]
     return {"kept": kept["label"], "overruled": trial["overruled"], "cost_s": trial["cost_s"],
             "candidates": [{k: c.get(k) for k in ("label", "strategy", "mesh", "sync", "predicted_step_s",
-                                                  "measured_step_s", "measured_steps_s", "failed")}
+                                                  "measured_step_s", "measured_steps_s", "visits", "failed")}
                            for c in trial["candidates"]]}
 
 

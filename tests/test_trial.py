@@ -17,6 +17,7 @@ from ray.cluster_utils import Cluster
 from rich.console import Console
 
 from orchestrator.config import load_config
+from orchestrator.control import trial as trial_module
 from orchestrator.control.driver import run_job
 from orchestrator.control.placement import claim, place, start_early
 from orchestrator.control.rundir import RunDir
@@ -80,7 +81,7 @@ def test_the_fastest_measured_plan_trains_as_it_would_without_a_trial(cluster, t
     assert all(c["failed"] is None and c["measured_step_s"] > 0 and c["predicted_step_s"] > 0
                for c in trial["candidates"])
     # Each plan's figure is its fastest timed step; the fastest figure wins.
-    assert all(len(c["measured_steps_s"]) == trial["timed_steps"]
+    assert all(len(c["measured_steps_s"]) == trial["timed_steps"] * c["visits"] and c["visits"] in (1, 2)
                and c["measured_step_s"] == pytest.approx(min(c["measured_steps_s"]), abs=1e-4)
                for c in trial["candidates"])
     best = trial["candidates"][trial["winner"]]
@@ -119,7 +120,7 @@ def test_the_fastest_measured_plan_trains_as_it_would_without_a_trial(cluster, t
     assert any("measured calibration" in line for line in calibrated.explanation)
 
 
-def test_a_candidate_that_cannot_run_is_dropped_and_all_failing_stops_the_run(cluster, tmp_path):
+def test_a_candidate_that_cannot_run_is_dropped_and_all_failing_stops_the_run(cluster, tmp_path, monkeypatch):
     cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, "parallel.strategy=ddp"])
     topology = probe_cluster(num_cpu_slots=2)
     view, _ = plannable(topology)
@@ -139,6 +140,14 @@ def test_a_candidate_that_cannot_run_is_dropped_and_all_failing_stops_the_run(cl
         with pytest.raises(RunFailed, match="every trial plan failed; the first, ddp on .*: RuntimeError: plan does"):
             run_trial(cfg, [Candidate("planned", broken, "broken")] * 2, placement, topology, console, True, None,
                       None)
+        # Near ties are set up and timed once more, in reverse order, their steps added to their first.
+        monkeypatch.setattr(trial_module, "near_ties", lambda measured: [m for m in measured if not m.failed])
+        out = run_trial(cfg, [Candidate("planned", plan, "a"), Candidate("runner-up", plan, "b")], placement, topology,
+                        console, True, None, None)
+        assert [(m.visits, len(m.steps_s), m.failed) for m in out] == [(2, 2 * cfg.parallel.trial_steps, None)] * 2
+        assert all(m.step_s == min(m.steps_s) and m.row()["visits"] == 2 for m in out)
+        assert "2 plans lie within their own step-to-step spread of the fastest; timing them again" in \
+            console.export_text()
     finally:
         placement.release()
 

@@ -39,12 +39,14 @@ class Measured:
     candidate: Candidate
     steps_s: list[float] = field(default_factory=list)
     """Each timed step's seconds, as long as its slowest rank's; none when it failed."""
-    exposed_comm_s: float | None = None
-    """Exposed communication of its fastest step (the median over the ranks that measured it)."""
+    steps_exposed_s: list[float | None] = field(default_factory=list)
+    """Each timed step's exposed communication (the median over the ranks that measured it)."""
     setup_s: float = 0.0
     """Seconds to form its group and build its model."""
     failed: str | None = None
     """Why it was dropped, in one line."""
+    visits: int = 1
+    """Times it was set up and timed: 2 when it was a near tie (`near_ties`), timed again."""
 
     @property
     def step_s(self) -> float | None:
@@ -52,6 +54,17 @@ class Measured:
         time (a cluster still settling after its start, the previous plan's memory going back),
         and it fell on the first plans tried, so a plan's fastest step is what the plan costs."""
         return min(self.steps_s) if self.steps_s else None
+
+    @property
+    def exposed_comm_s(self) -> float | None:
+        """The exposed communication of its fastest step."""
+        if not self.steps_s or len(self.steps_exposed_s) != len(self.steps_s):
+            return None
+        return self.steps_exposed_s[self.steps_s.index(min(self.steps_s))]
+
+    def spread(self) -> float:
+        """How far its slowest timed step lies above its fastest, as a share of the fastest."""
+        return max(self.steps_s) / min(self.steps_s) - 1.0 if self.steps_s else 0.0
 
     def row(self) -> dict[str, Any]:
         p = self.candidate.plan
@@ -67,18 +80,20 @@ class Measured:
                 "predicted_communication_s": st.exposed_comm_s, "measured_step_s": self.step_s,
                 "measured_steps_s": [round(t, 4) for t in self.steps_s],
                 "measured_compute_s": measured_compute, "measured_communication_s": self.exposed_comm_s,
-                "setup_s": round(self.setup_s, 3), "failed": self.failed}
+                "setup_s": round(self.setup_s, 3), "visits": self.visits, "failed": self.failed}
 
 
-def _summarise(per_rank: list[list[tuple[float, float | None]]]) -> tuple[list[float], float | None]:
-    """(each timed step's seconds, the exposed communication of the fastest): a step is as long
-    as its slowest rank, since no rank starts the next before every rank ends this one; its
-    exposed communication is the median over the ranks that measured it."""
+def _summarise(per_rank: list[list[tuple[float, float | None]]]) -> tuple[list[float], list[float | None]]:
+    """Each timed step's seconds and exposed communication: a step is as long as its slowest
+    rank, since no rank starts the next before every rank ends this one; its exposed
+    communication is the median over the ranks that measured it (None where none did)."""
     timed = [steps[WARMUP_STEPS:] for steps in per_rank]
-    steps = [max(rank[i][0] for rank in timed) for i in range(len(timed[0]))]
-    fastest = steps.index(min(steps))
-    exposed = [rank[fastest][1] for rank in timed if rank[fastest][1] is not None]
-    return steps, (statistics.median(exposed) if exposed else None)
+    steps, exposed = [], []
+    for i in range(len(timed[0])):
+        steps.append(max(rank[i][0] for rank in timed))
+        values = [rank[i][1] for rank in timed if rank[i][1] is not None]
+        exposed.append(statistics.median(values) if values else None)
+    return steps, exposed
 
 
 def _one_line(err: BaseException) -> str:
@@ -147,7 +162,7 @@ def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_g
         _all(refs, cfg.cluster.placement_timeout_s)
         m.setup_s = time.monotonic() - t0
         refs = [a.trial.remote(steps) for a in actors]
-        m.steps_s, m.exposed_comm_s = _summarise(_all(refs, timeout))
+        m.steps_s, m.steps_exposed_s = _summarise(_all(refs, timeout))
     except (RayActorError, RayTaskError, GetTimeoutError) as err:
         m.failed = (f"no step within {timeout:.0f} s" if isinstance(err, GetTimeoutError) else _one_line(err))
         _reset(placement, refs, e.leave_timeout_s, cfg.cluster.placement_timeout_s)
@@ -156,10 +171,11 @@ def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_g
 
 def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topology, console: Console,
               use_gpu: bool, model_fn, budget_s: float | None) -> list[Measured]:
-    """Measure every candidate in turn (the placement ends laid out for the last one tried).
-    Under `budget_s` (parallel.trial=auto) the trial stops before a candidate that would take
-    it past the budget, judged by what the candidates so far cost. RunFailed (exit 1) when
-    every candidate failed: the first one's line."""
+    """Measure every candidate in turn, then the near ties (`near_ties`) once more in reverse
+    order (the placement ends laid out for the last one tried). Under `budget_s`
+    (parallel.trial=auto) the trial stops before a candidate, and skips the second timing,
+    that would take it past the budget, judged by what the candidates so far cost. RunFailed
+    (exit 1) when every candidate failed: the first one's line."""
     out: list[Measured] = []
     spent = 0.0
     for i, c in enumerate(cands):
@@ -180,7 +196,53 @@ def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topo
         first = out[0]
         raise RunFailed(f"every trial plan failed; the first, {first.candidate.plan.strategy} on "
                         f"{first.candidate.plan.mesh}: {first.failed}")
+    ties = near_ties(out)
+    if len(ties) > 1:
+        again = spent / len(out) * len(ties)
+        if budget_s is not None and spent + again > budget_s:
+            console.print(f"trial: {len(ties)} plans lie within their own step-to-step spread of the fastest, and "
+                          f"timing them again (about {again:.0f} s) would pass the budget of {budget_s:.0f} s")
+        else:
+            console.print(f"trial: {len(ties)} plans lie within their own step-to-step spread of the fastest; "
+                          "timing them again, in reverse order")
+            _retime(cfg, ties[::-1], placement, topology, console, use_gpu, model_fn)
+            if all(m.failed for m in out):
+                raise RunFailed(f"every trial plan failed; the last, {ties[0].candidate.plan.strategy} on "
+                                f"{ties[0].candidate.plan.mesh}: {ties[0].failed}")
     return out
+
+
+def near_ties(measured: list[Measured]) -> list[Measured]:
+    """The plans the trial's steps cannot tell from the fastest, in the order they were tried:
+    those whose fastest step lies within the widest step-to-step spread any plan showed (a
+    settling cluster slows the first plans tried by as much). Empty when the fastest is clear."""
+    ok = [m for m in measured if m.failed is None]
+    if len(ok) < 2:
+        return []
+    best = min(m.step_s for m in ok)
+    spread = max(m.spread() for m in ok)
+    ties = [m for m in ok if m.step_s <= best * (1.0 + spread)]
+    return ties if len(ties) > 1 else []
+
+
+def _retime(cfg: JobConfig, ties: list[Measured], placement: Placement, topology, console: Console, use_gpu: bool,
+            model_fn) -> None:
+    """Each near tie's steps once more, added to its first ones: the order reversed, so the plan
+    tried first, on the least settled cluster, is now tried last. A plan that fails this time is
+    dropped: it cannot be relied on to run."""
+    for i, m in enumerate(ties):
+        c = m.candidate
+        with console.status(f"trial, again {i + 1}/{len(ties)}: {c.label}: {c.plan.strategy} on {c.plan.mesh}"):
+            again = _measure(cfg, c, placement, topology, use_gpu, model_fn)
+        m.setup_s += again.setup_s
+        if again.failed:
+            m.failed = f"failed when timed again: {again.failed}"
+            console.print(f"[yellow]trial:[/] dropped {escape(c.label)} ({c.plan.strategy} on {c.plan.mesh}): "
+                          f"{escape(m.failed)}")
+            continue
+        m.visits += 1
+        m.steps_s += again.steps_s
+        m.steps_exposed_s += again.steps_exposed_s
 
 
 def winner(measured: list[Measured]) -> Measured:
