@@ -186,7 +186,9 @@ def run_rank(rank: int, init_file: str, root: str, names: list[str]) -> None:
             dist.barrier()
         results["one_rank_lacks_a_tensor"] = _one_rank_lacks_a_tensor(Path(root))
         dist.barrier()
-        with open(Path(root) / f"rank{rank}.json", "w") as f:
-            json.dump(results, f)
+        # Whole or absent (renamed into place): the test reads it even if the teardown aborts.
+        tmp = Path(root) / f"rank{rank}.json.tmp"
+        tmp.write_text(json.dumps(results))
+        tmp.replace(Path(root) / f"rank{rank}.json")
     finally:
         dist.destroy_process_group()

@@ -31,7 +31,14 @@ def ranks(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("hf_shards")
     for case in hw.CASES:
         hw.save(case, root)
-    mp.spawn(hw.run_rank, args=(str(root / "init"), str(root), list(CASES)), nprocs=hw.WORLD, join=True)
+    try:
+        mp.spawn(hw.run_rank, args=(str(root / "init"), str(root), list(CASES)), nprocs=hw.WORLD, join=True)
+    except mp.ProcessExitedException:
+        # A gloo rank's exit now and then aborts in torch's own teardown ("terminate called
+        # without an active exception"), after its work is done. What these tests read is each
+        # rank's results file, written whole before the teardown: only a missing one is a failure.
+        if not all((root / f"rank{r}.json").exists() for r in range(hw.WORLD)):
+            raise
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(hw.WORLD)]
 
 
