@@ -60,13 +60,15 @@ def test_a_clock_adds_its_parts_and_names_the_largest():
     clock = Phases(time.time() - 5.0, record)
     clock.add("detection_s", 0.2)
     clock.add("actor_start_s", 2.5)
-    clock.add_setups([{"timings": {"process_group_s": 0.1, "model_build_s": 0.4, "state_restore_s": 0.3}},
-                      {"timings": {"process_group_s": 0.2, "model_build_s": 0.9, "state_restore_s": 0.1}}])
+    # A survivor waits in the process group while the new rank imports the runtime: one wait,
+    # which each part's slowest rank would count twice (0.9 + 1.05 + 0.3 > the 1.35 s it took).
+    clock.add_setups([{"timings": {"process_group_s": 0.9, "model_build_s": 0.1, "state_restore_s": 0.3}},
+                      {"timings": {"process_group_s": 0.0, "model_build_s": 1.05, "state_restore_s": 0.3}}])
     clock.add("first_step_s", 0.6)
     out = clock.finish()
     assert record["breakdown"] is out
     # the slowest rank's setup is what the others waited for
-    assert out["model_build_s"] == 0.9 and out["process_group_s"] == 0.2 and out["state_restore_s"] == 0.3
+    assert out["model_build_s"] == 1.05 and out["process_group_s"] == 0.0 and out["state_restore_s"] == 0.3
     assert out["largest"] == "actor_start_s"
     assert out["total_s"] >= 5.0  # from the detection, so time no part accounts for counts too
     assert list(out)[:-2] == [k for k in PART_NAMES if k in out]  # in the order they happen

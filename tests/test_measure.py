@@ -139,10 +139,29 @@ def test_two_nodes_time_the_network_with_all_reduce(tmp_path: Path) -> None:
         assert topo.network.source == "measured"
         assert topo.network.bandwidth_gbps > 0 and topo.network.latency_us > 0
         assert all(l.measured for n in topo.nodes for l in n.links)
-        assert len(list(tmp_path.glob("*.json"))) == 2
+        stored = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+        assert len(stored) == 2
+        # Both nodes run on this machine's cores: their pairs slow each other down when they move
+        # data at once, as a step's in-node collectives do, and the links say so and carry it.
+        for node, data in zip(topo.nodes, sorted(stored, key=lambda d: d["hostname"])):
+            slowdown = data["shared_slowdown"]
+            assert slowdown >= measure.SHARED_MIN_SLOWDOWN, data
+            assert [w for w in node.warnings if "slower while every node did at once" in w]
+            [pair] = data["pairs"]
+            assert node.link(0, 1).bandwidth_gbps == pytest.approx(pair["bandwidth_gbps"], abs=1e-3)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_shared_host_is_told_from_run_to_run_spread() -> None:
+    """Nodes whose pairs slow each other down when every node moves data at once share a host;
+    a slowdown within one machine's spread is none."""
+    assert measure.shared_slowdown(0.010, 0.021) == pytest.approx(2.1)
+    assert measure.shared_slowdown(0.010, 0.0115) == 1.0  # 15%: spread, not sharing
+    assert measure.shared_slowdown(0.010, 0.008) == 1.0  # faster together: never a speed-up
+    with pytest.raises(ValueError, match="exchange times must be > 0 s"):
+        measure.shared_slowdown(0.0, 0.01)
 
 
 def test_fit_reads_the_sustained_rate_of_a_link_that_passes_a_burst_at_once() -> None:

@@ -280,6 +280,33 @@ def test_submit_with_a_wrong_token_is_one_line_within_seconds(cluster):
     assert lines[0].startswith(f"error: Ray cluster at {cluster.dashboard} refused the token")
 
 
+@pytest.mark.parametrize("mode, token, said", [
+    (None, None, "the cluster asks for a token (Ray's token authentication); export RAY_AUTH_MODE=token with"),
+    ("token", "0" * 64, "the cluster refused this process's token; set it with"),
+])
+def test_joining_a_token_cluster_without_its_token_is_one_line_within_seconds(cluster, mode, token, said):
+    """`cluster.address` to a cluster that asks for a token (as `ray start --head` makes one by
+    default), from a driver that sends none or a wrong one: one line saying what to set, not
+    ray.init's 20 s of retries ending in "failed to connect"."""
+    home = Path(tempfile.mkdtemp(prefix="orx-home-"))  # no ~/.ray/auth_token of this machine's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["HOME"] = str(home)
+    env.update({"RAY_AUTH_MODE": mode, "RAY_AUTH_TOKEN": token} if mode else {})
+    try:
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "orchestrator", "submit", "jobs/llm.yaml",
+                            f"cluster.address={cluster.gcs}", f"monitor.runs_dir={home / 'runs'}"],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+        took = time.monotonic() - t0
+        assert not (home / "runs").exists() or not any((home / "runs").iterdir())  # no run directory left behind
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    lines = [l for l in (p.stdout + p.stderr).splitlines() if l.strip()]
+    assert p.returncode == 2 and took < 15 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: cluster.address={cluster.gcs}: {said}")
+    assert "ray get-auth-token" in lines[0]
+
+
 def test_metrics_exported_with_tags_then_stop_ends_job(authed):
     from orchestrator.connect.remote import client, job_logs, job_status, stop_job
 

@@ -327,7 +327,13 @@ def test_submit_cli_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "run directory:" in proc.stdout
     (run_dir,) = tmp_path.glob("llm-*")
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    # The start-up breakdown begins where the user's wait does: with Ray's own start.
+    startup = summary["startup"]
+    assert next(iter(startup)) == "ray_start_s"
+    assert 0 < startup["ray_start_s"] < startup["total_s"]
+    assert startup["total_s"] >= sum(v for k, v in startup.items() if k.endswith("_s") and k != "total_s") - 0.5
 
 
 _PIN = r"""

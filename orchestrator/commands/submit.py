@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -145,6 +146,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     # still empty) when no cluster is there, so a failed connect leaves nothing behind.
     run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name, exact=os.environ.get(RUN_NAME_ENV))
     with ExitStack() as cluster:
+        t_ray = time.monotonic()
         try:
             dashboard_url = cluster.enter_context(connect(
                 cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard, runtime_env=runtime_env,
@@ -152,10 +154,12 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
         except BaseException:
             run_dir.path.rmdir()
             raise
+        ray_start_s = time.monotonic() - t_ray
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
         with WorkerLogs(run_dir, console, verbose=verbose):
-            summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec)
+            summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec,
+                                         ray_start_s=ray_start_s)
     if cfg.checkpoint.export:
         from ..control.export import export_run
 
@@ -166,11 +170,9 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
 
 
 def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: str | None, resume: str | None,
-                       model_fn=None, spec=None) -> dict:
+                       model_fn=None, spec=None, ray_start_s: float | None = None) -> dict:
     """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
     driver has released its actors and placement group by then)."""
-    import time
-
     from ..control.driver import run_job
     from ..control.report import write_report
     from ..control.signals import signal_name
@@ -178,7 +180,8 @@ def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: st
 
     t0 = time.monotonic()
     try:
-        return run_job(cfg, run_dir, console, dashboard_url, resume_from=resume, model_fn=model_fn, spec=spec)
+        return run_job(cfg, run_dir, console, dashboard_url, resume_from=resume, model_fn=model_fn, spec=spec,
+                       ray_start_s=ray_start_s)
     except KeyboardInterrupt as e:
         name = signal_name(e)
         summary = stopped_summary(cfg, run_dir, name, time.monotonic() - t0, resume)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..errors import UserError
 
@@ -94,7 +98,48 @@ def check_gcs(address: str, name: str = "cluster.address") -> str:
             f"service, or the dashboard port (8265, for `submit --address http://...`) instead of the GCS port? "
             f"{GCS_ADVICE}"
         )
+    refused = _token_refused(host, port)
+    if refused:
+        raise ClusterUnreachable(f"{tried}: {refused}")
     return f"{host}:{port}"
+
+
+TOKEN_ADVICE = ("with the cluster's token in RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token "
+                "(`ray get-auth-token` on the head node prints it)")
+
+
+def _token_refused(host: str, port: int) -> str | None:
+    """Why the GCS turned this process away, when its token authentication did (a cluster that
+    `ray start` started asks for a token by default, and a driver sends one only in token mode);
+    None when it lets this process in. ray.init would instead retry for 20 s and then say only
+    that it could not connect."""
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        with _quiet_stderr():  # Ray's C++ client logs the refusal itself; the user gets one line
+            GcsClient(address=f"{host}:{port}")
+    except AuthenticationError:
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+            return f"the cluster refused this process's token; set it {TOKEN_ADVICE}"
+        return f"the cluster asks for a token (Ray's token authentication); export RAY_AUTH_MODE=token {TOKEN_ADVICE}"
+    except Exception:  # noqa: BLE001 - anything else is ray.init's to report, as it does
+        return None
+    return None
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 goes to /dev/null meanwhile: what native code writes there too."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _speaks_grpc(host: str, port: int) -> bool:
@@ -107,7 +152,9 @@ def _speaks_grpc(host: str, port: int) -> bool:
     except grpc.FutureTimeoutError:
         return False
     finally:
-        channel.close()
+        # Closing waits out the channel's polling thread (0.2 s, on every connect): it can
+        # finish while Ray starts its own connection.
+        threading.Thread(target=channel.close, name="gcs-check-close", daemon=True).start()
 
 
 def check_dashboard(url: str, headers: dict[str, str]) -> int | None:

@@ -59,8 +59,9 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
     left within `timeout_s` and the whole world must restart."""
     failed = set(failure.ranks)
     survivors = [r for r in range(len(placement.actors)) if r not in failed]
-    for r in failed:  # a hung rank is alive: killing it closes its connections, ending its peers' waits
-        ray.kill(placement.actors[r], no_restart=True)
+    # A hung rank is alive: killing it closes its connections, ending its peers' waits. Its
+    # replacement starts at once (process, imports, device), while the survivors leave.
+    placement.restart(sorted(failed))
     for r in survivors:  # NCCL waits end only by abort; it is harmless elsewhere
         placement.actors[r].abort_collectives.remote()
     rank_of = {failure.train_refs[r]: r for r in survivors}

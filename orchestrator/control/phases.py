@@ -1,9 +1,10 @@
 """Where the seconds to a first step go: at the run's start and after each restart.
 
-One `Phases` clock is open at a time. The driver adds each part as it ends (probe, plan,
-placement, actor start, process group, model build, state restore; after a failure also
-detection and teardown), and the first step after it closes the clock: summary.json's
-`startup`, or the restart record's `breakdown`, with the total and the largest part.
+One `Phases` clock is open at a time. The driver adds each part as it ends (Ray's start, or the
+connection to a running cluster; probe, plan, placement, actor start, process group, model
+build, state restore; after a failure also detection and teardown), and the first step after
+it closes the clock: summary.json's `startup`, or the restart record's `breakdown`, with the
+total and the largest part.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PART_NAMES = {
-    "detection_s": "detection", "teardown_s": "teardown", "probe_s": "probe", "plan_s": "plan",
+    "detection_s": "detection", "teardown_s": "teardown", "ray_start_s": "Ray start", "probe_s": "probe",
+    "plan_s": "plan",
     "placement_s": "placement", "actor_start_s": "actor start", "trial_s": "trial",
     "process_group_s": "process group",
     "model_build_s": "model build", "state_restore_s": "state restore", "first_step_s": "first step",
@@ -37,11 +39,15 @@ class Phases:
         self.parts[name] = self.parts.get(name, 0.0) + max(0.0, seconds)
 
     def add_setups(self, setups: list[dict[str, Any]]) -> None:
-        """The ranks' own timings of `setup`: the slowest rank is what the others wait for."""
+        """The ranks' own timings of `setup`, from the rank whose setup took longest: the others
+        waited for it. One rank's parts, not each part's slowest rank: a rank that waits in the
+        process group for a new one still importing would count that one wait twice."""
+        names = ("process_group_s", "model_build_s", "state_restore_s")
         timed = [s["timings"] for s in setups if s.get("timings")]
-        for name in ("process_group_s", "model_build_s", "state_restore_s"):
-            if timed:
-                self.add(name, max(t[name] for t in timed))
+        if timed:
+            slowest = max(timed, key=lambda t: sum(t[n] for n in names))
+            for name in names:
+                self.add(name, slowest[name])
 
     def finish(self) -> dict[str, Any]:
         """The breakdown: every part in seconds, `total_s` (from `started` to now, so time no

@@ -44,6 +44,8 @@ class Placement:
     slots: list[int] = field(default_factory=list)
     """The slot of each rank, in rank order: the identity until a plan over the same devices
     lays the ranks out otherwise (`adopt`)."""
+    restarting: set[int] = field(default_factory=set)
+    """Ranks whose new actors `restart` started and `respawn` has not yet waited for."""
 
     def adopt(self, plan: Plan) -> None:
         """Re-rank the running actors for `plan`, a plan over the devices already held: the
@@ -61,19 +63,27 @@ class Placement:
         self.actors = [actor_of[s] for s in self.slots]
         self.reports = [{**report_of[s], "rank": r} for r, s in enumerate(self.slots)] if report_of else []
 
-    def respawn(self, ranks: list[int], timeout_s: float) -> float:
-        """Replace the actors of `ranks` (dead) by new ones in the same bundles, so the same
-        devices; returns the seconds until they all answered. Raises what their start raised."""
-        if not ranks:  # a rank raised and none died: every process stays
-            return 0.0
-        t0 = time.monotonic()
-        nodes = {self.reports[r]["node_id"] for r in ranks} if self.reports else set()
+    def restart(self, ranks: list[int]) -> None:
+        """Kill the actors of `ranks` and start new ones in their bundles (so on the same devices),
+        without waiting for them: they start while the survivors leave (`respawn` waits)."""
         for r in ranks:
             try:
                 ray.kill(self.actors[r], no_restart=True)
             except Exception:  # dead already
                 pass
             self.actors[r] = self.spawn(self.slots[r])
+            self.restarting.add(r)
+
+    def respawn(self, ranks: list[int], timeout_s: float) -> float:
+        """Replace the actors of `ranks` (dead) by new ones in the same bundles, so the same
+        devices (those `restart` already replaced are only waited for); returns the seconds
+        until they all answered. Raises what their start raised."""
+        if not ranks:  # a rank raised and none died: every process stays
+            return 0.0
+        t0 = time.monotonic()
+        nodes = {self.reports[r]["node_id"] for r in ranks} if self.reports else set()
+        self.restart([r for r in ranks if r not in self.restarting])
+        self.restarting -= set(ranks)
         refs = [self.actors[r].report.remote() for r in ranks]
         while True:
             # A bundle whose node died stays pending until the timeout: Ray tells a lost node

@@ -40,6 +40,11 @@ from .state_names import canonical, restore_names, tied_aliases
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
+CALIBRATION_BUDGET_S = 0.1
+"""Seconds of timed passes the compute-only baseline (`calibrate_compute`) takes after its
+warm-up before it stops: a GPU's millisecond passes are all timed, a pass this long or longer
+only once, so the baseline costs a start or restart at most about two passes (four, before)."""
+
 
 @dataclass
 class StepResult:
@@ -223,9 +228,10 @@ class Trainer:
 
     def calibrate_compute(self, repeats: int = 3) -> float | None:
         """Seconds of one micro-step's forward and backward with gradient sync off: the
-        compute-only baseline that exposed communication is measured against. The loss is
-        scaled by zero, so the backward passes cost what real ones do and leave only zero
-        gradients behind: FSDP2 keeps what a backward without sync accumulates in its own
+        compute-only baseline that exposed communication is measured against: the fastest of up
+        to `repeats` timed passes after a warm-up, as many as fit CALIBRATION_BUDGET_S (at least
+        one). The loss is scaled by zero, so the backward passes cost what real ones do and
+        leave only zero gradients behind: FSDP2 keeps what a backward without sync accumulates in its own
         unsharded buffers, out of the optimizer's reach, and adds it to the next synced step's
         gradient. (Sharded strategies still all-gather parameters inside it, so their figure
         counts gradient communication only.) None under a pipeline, whose stages cannot run a
@@ -238,8 +244,8 @@ class Trainer:
         x, y = x[: self.micro].to(self.device), y[: self.micro].to(self.device)
         model = self.par.model
         model.train()
-        times = []
-        for _ in range(repeats + 1):  # the first run pays for allocation and warm-up
+
+        def timed() -> float:
             self._sync()
             t0 = time.perf_counter()
             with self.par.no_sync():
@@ -247,9 +253,20 @@ class Trainer:
                     loss = self._loss(model, x, y) * 0.0
                 loss.backward()
             self._sync()
-            times.append(time.perf_counter() - t0)
+            return time.perf_counter() - t0
+
+        timed()  # pays for allocation and warm-up, which the first step then does not
+        times = [timed()]
+        # Every start and restart waits for these passes, so they stop at CALIBRATION_BUDGET_S.
+        # Sharded passes gather parameters, so every rank must run as many: the count follows
+        # the slowest rank's first pass.
+        slowest = torch.tensor([times[0]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        more = max(0, min(repeats, int(CALIBRATION_BUDGET_S // max(slowest.item(), 1e-9))) - 1)
+        times += [timed() for _ in range(more)]
+        # The fastest is the figure: other work on the host only ever adds to a pass.
         self.par.zero_grad()
-        self.compute_micro_s = sorted(times[1:])[len(times[1:]) // 2]
+        self.compute_micro_s = min(times)
         return self.compute_micro_s
 
     def holds_unsharded_grads(self) -> bool:

@@ -7,6 +7,7 @@ driver can watch progress and failures at the same time.
 
 from __future__ import annotations
 
+import importlib
 import os
 import resource
 import socket
@@ -25,12 +26,6 @@ from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
 from .nccl_env import apply as apply_nccl
 from .peer_state import Held, PeerRestore, hold
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _pci_bus_id(gpu: int | None) -> str | None:
@@ -218,6 +213,11 @@ class Worker:
         self.world = world
         self.cpu_slot = cpu_slot
         torch.set_num_threads(max(1, threads))
+        # The runtime (FSDP2, DTensor, DCP: about 0.6 s on one core) imports while the driver
+        # probes and plans, or, for a rank replacing a dead one, while the survivors leave, so
+        # the group that `setup` forms never waits for it (`setup`'s import waits for this one).
+        threading.Thread(target=importlib.import_module, args=(f"{__package__}.trainer",),
+                         name="import-runtime", daemon=True).start()
         self.niceness_note = _normal_priority()
         self.trainer = None
         # Held while the process group is torn down: an abort from the control thread racing a
@@ -234,6 +234,8 @@ class Worker:
         """The last step whose row this rank made (before its evaluation, which may follow)."""
         self._stage = "idle"
         """Where `train` is: training; leaving, then holding (after a failure); idle."""
+        self._served = None
+        """The store of the group this actor is rank 0 of, from `rendezvous_address` to `setup`."""
 
     @ray.method(concurrency_group="control")
     def report(self) -> dict[str, Any]:
@@ -275,7 +277,12 @@ class Worker:
             return f"rank {self.rank}, pid {os.getpid()}\n" + f.read()
 
     def rendezvous_address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), _free_port()
+        """Where the next group meets: a store this rank (its rank 0) serves from now on, so no
+        rank that asks for it before this one joins finds nothing listening (rendezvous.py)."""
+        from .rendezvous import serve
+
+        self._served = serve(ray.util.get_node_ip_address())
+        return ray.util.get_node_ip_address(), self._served.port
 
     def setup(self, cfg, plan: Plan, master: tuple[str, int], resume_from: str | PeerRestore | None = None,
               cpu_affinity: str | None = None, nccl: NcclSetup | None = None, model_fn=None,
@@ -285,9 +292,15 @@ class Worker:
         `cpu_affinity` is the CPU list closest to this rank's GPU, from the probed topology;
         `nccl` what NCCL should be told about this node (`nccl_env`). `rank`: this process's rank
         under `plan`, where it is not the one it was started as (a trial's other layouts)."""
+        t_enter = time.monotonic()
         import torch
 
-        from .trainer import Trainer, init_process_group
+        from .rendezvous import join
+        from .trainer import Trainer
+
+        # What is left of the runtime's import (started with the actor) is part of building
+        # the first model, so the breakdown counts it there rather than nowhere.
+        importing_s = time.monotonic() - t_enter
 
         if rank is not None:
             self.rank = rank
@@ -320,7 +333,10 @@ class Worker:
         nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
         t0 = time.monotonic()
-        init_process_group(self.rank, self.world, master[0], master[1], backend)
+        # The store this actor served is the group's only where it is the group's rank 0.
+        served, self._served = (self._served if self.rank == 0 else None), None
+        join(self.rank, self.world, master, backend, served)
+        del served  # the group holds it now, and closes it when the group goes
         t_group = time.monotonic()
         # A survivor joining a new group keeps the baseline it took before its first model: what
         # it holds now includes pages its allocator kept from the old one.
@@ -341,7 +357,7 @@ class Worker:
         start = self.trainer.start(resume_from, held)
         del held
         self._completed = start
-        timings = {"process_group_s": t_group - t0, "model_build_s": t_build - t_group,
+        timings = {"process_group_s": t_group - t0, "model_build_s": importing_s + t_build - t_group,
                    "state_restore_s": time.monotonic() - t_build}
         return {"num_params": self.trainer.num_params, "timings": timings,
                 "notes": notes + self.trainer.build_notes + list(self.trainer.par.notes),

@@ -7,7 +7,10 @@ all-reduce among one actor per node times the network. Each series is fitted by 
 to t(s) = alpha + s / beta (latency alpha, bandwidth beta), weighted by 1/t so small messages
 (latency) count as much as large ones (bandwidth). A link far below its table figure is
 flagged `degraded`: a slow NVLink lane, PCIe P2P that the driver claims but routes through the
-host, a NIC at a fraction of its rate.
+host, a NIC at a fraction of its rate. Pairs timed one at a time cannot show nodes that share a
+host slowing each other down, as they do when a step runs its in-node collectives on every node
+at once: one pair per node exchanges data alone, then on every node together, and a node
+slowed by `SHARED_MIN_SLOWDOWN` or more has its in-node bandwidth divided by that factor.
 
 Results are cached per node, keyed by host name and GPU UUIDs (a different set of GPUs is a
 different machine), under ``~/.cache/orchestrator/measure`` or ``$ORCHESTRATOR_MEASURE_CACHE``.
@@ -34,6 +37,10 @@ CACHE_ENV = "ORCHESTRATOR_MEASURE_CACHE"
 QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 FULL_SIZES = tuple(4 << (10 + 2 * k) for k in range(8))  # 4 KiB .. 64 MiB, x4 steps
 _ITERS = 5
+_EXCHANGE_ITERS = 10
+EXCHANGE_BYTES = 32 << 20
+"""What each end of a pair sends in the shared-host check (`_shared_slowdowns`): long enough
+that the pairs of every node overlap for most of it."""
 _WARMUP = 2
 _READY_TIMEOUT_S = 120.0
 # A message this many times slower than the smallest one is dominated by its transfer, so
@@ -99,6 +106,48 @@ def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> 
     if a <= 0:
         a = min(seconds)
     return Fit(latency_us=a * 1e6, bandwidth_gbps=1.0 / b / 1e9)
+
+
+SHARED_MIN_SLOWDOWN = 1.25
+"""A node's pair that is slowed by less than this while every other node's pair moves data too
+shares nothing with them: one machine's run-to-run spread stays within it."""
+
+
+def shared_slowdown(alone_s: float, together_s: float) -> float:
+    """How much slower a node's in-node exchange ran while every measured node exchanged at once
+    than alone, where that is a real slowdown (`SHARED_MIN_SLOWDOWN`); else 1.0."""
+    if alone_s <= 0 or together_s <= 0:
+        raise ValueError(f"exchange times must be > 0 s, got {alone_s} alone and {together_s} together")
+    ratio = together_s / alone_s
+    return ratio if ratio >= SHARED_MIN_SLOWDOWN else 1.0
+
+
+def shared_note(slowdown: float) -> str:
+    return (f"in-node links moved data {slowdown:.1f}x slower while every node did at once (nodes sharing a host's "
+            f"cores or memory): measured and priced at that rate, as a training step runs on every node at once")
+
+
+def _shared_slowdowns(ranks: list[_Rank], pairs: list[tuple[int, int] | None], size: int) -> list[float]:
+    """Per node (in `pairs`' order; None: nothing measured there), `shared_slowdown` of its first
+    measured pair exchanging `size` bytes: alone, one node after another, then every node at
+    once. A training step runs its in-node collectives on every node at the same time, and
+    nodes that share a host (co-located VMs, the testbed's namespaces) then slow each other
+    down, which pairs timed one at a time never show. Separate machines read 1.0."""
+    import ray
+
+    timed = [p for p in pairs if p is not None]
+    if len(timed) < 2:
+        return [1.0] * len(pairs)
+
+    def both(pair: tuple[int, int]) -> list:
+        a, b = pair
+        return [ranks[a].actor.exchange.remote(b, size), ranks[b].actor.exchange.remote(a, size)]
+
+    alone = [max(ray.get(both(p))) for p in timed]
+    refs = [both(p) for p in timed]
+    together = [max(ray.get(r)) for r in refs]
+    found = iter(shared_slowdown(a, t) for a, t in zip(alone, together))
+    return [next(found) if p is not None else 1.0 for p in pairs]
 
 
 def _link_class(link: Link) -> tuple[str, int]:
@@ -175,6 +224,8 @@ def _load_cached(node: NodeTopology, directory: Path, quick: bool) -> dict[tuple
             return None  # the wiring changed since: measure again
         fits[(entry["a"], entry["b"])] = Fit(entry["latency_us"], entry["bandwidth_gbps"])
     _apply_tflops(node, {int(k): v for k, v in data.get("tflops", {}).items()})
+    if fits and data.get("shared_slowdown", 1.0) > 1.0:
+        node.warnings.append(shared_note(data["shared_slowdown"]))
     return fits or None
 
 
@@ -187,7 +238,8 @@ def _apply_tflops(node: NodeTopology, tflops: dict[int, float]) -> None:
         d.measured_tflops = tflops.get(d.index, shared if d.kind == "cpu" else d.measured_tflops)
 
 
-def _store(node: NodeTopology, directory: Path, quick: bool, fits: dict[tuple[int, int], Fit]) -> None:
+def _store(node: NodeTopology, directory: Path, quick: bool, fits: dict[tuple[int, int], Fit],
+           shared_slowdown: float = 1.0) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     pairs = [
         {"a": a, "b": b, "kind": node.link(a, b).kind, "latency_us": f.latency_us, "bandwidth_gbps": f.bandwidth_gbps}
@@ -195,7 +247,7 @@ def _store(node: NodeTopology, directory: Path, quick: bool, fits: dict[tuple[in
     ]
     tflops = {str(d.index): d.measured_tflops for d in node.devices if d.measured_tflops}
     data = {"hostname": node.hostname, "uuids": [d.uuid for d in node.devices], "quick": quick, "pairs": pairs,
-            "tflops": tflops, "when": time.time()}
+            "tflops": tflops, "shared_slowdown": shared_slowdown, "when": time.time()}
     tmp = directory / f".{cache_key(node)}.json.tmp"
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(directory / f"{cache_key(node)}.json")
@@ -262,6 +314,26 @@ class BenchWorker:
                     times.append((time.perf_counter() - t0) / 2)
             out.append(statistics.median(times))
         return out
+
+    def exchange(self, peer: int, size: int) -> float:
+        """The fastest of `_EXCHANGE_ITERS` times this rank and `peer` sent each other `size`
+        bytes at once, as the two ends of a ring step do (the peer calls this at the same time).
+        The fastest: other work on the host only ever adds to it."""
+        import torch
+        import torch.distributed as dist
+
+        out = torch.empty(size, dtype=torch.uint8, device=self.device)
+        back = torch.empty_like(out)
+        times = []
+        for it in range(_WARMUP + _EXCHANGE_ITERS):
+            self._sync()
+            t0 = time.perf_counter()
+            for req in (dist.isend(out, peer), dist.irecv(back, peer)):
+                req.wait()
+            self._sync()
+            if it >= _WARMUP:
+                times.append(time.perf_counter() - t0)
+        return min(times)
 
     def allreduce(self, ranks: list[int], sizes: list[int]) -> list[float]:
         """All-reduce time per size within `ranks` (every rank of the world calls this)."""
@@ -417,11 +489,13 @@ def measure_cluster(
     use_gpu = all(n.devices[0].kind == "gpu" for n in measurable)
     ranks = _plan_ranks(ClusterTopology(nodes=measurable, network=cluster.network), to_measure)
     _start(ranks, use_gpu)
-    node_fits: list[tuple[NodeTopology, dict[tuple[int, int], Fit]]] = []
+    node_fits: list[tuple[NodeTopology, dict[tuple[int, int], Fit], float]] = []
     try:
+        quiet: list[tuple[NodeTopology, dict[tuple[int, int], Fit], tuple[int, int] | None]] = []
         for node in to_measure:
             rank_of = {r.device: i for i, r in enumerate(ranks) if r.node is node}
             fits: dict[tuple[int, int], Fit] = {}
+            first = None
             for a, b in pairs_to_measure(node, quick):
                 ra, rb = rank_of.get(a), rank_of.get(b)
                 if ra is None or rb is None:
@@ -432,20 +506,27 @@ def measure_cluster(
                 ])
                 try:
                     fits[(a, b)] = fit_alpha_beta(sizes, times)
+                    first = first or (ra, rb)
                 except ValueError as e:
                     node.warnings.append(f"devices {a}-{b}: no fit ({e}); the table figure stands")
+            quiet.append((node, fits, first))
+        slowdowns = _shared_slowdowns(ranks, [pair for _, _, pair in quiet], EXCHANGE_BYTES)
+        for (node, fits, _), slowdown in zip(quiet, slowdowns):
+            if slowdown > 1.0:
+                fits = {pair: Fit(f.latency_us, f.bandwidth_gbps / slowdown) for pair, f in fits.items()}
+                node.warnings.append(shared_note(slowdown))
             apply_fits(node, fits)
-            node_fits.append((node, fits))
+            node_fits.append((node, fits, slowdown))
         # Every measured rank times its matmuls at once, as a training step computes on every
         # rank at once: nodes that share a host's cores (co-located VMs, the namespaces of
         # `orchestrator.testbed`) then show the rate each rank really gets; separate machines
         # show their own rate either way.
-        timed = [(node, r.device, i) for node, _ in node_fits for i, r in enumerate(ranks) if r.node is node]
+        timed = [(node, r.device, i) for node, _, _ in node_fits for i, r in enumerate(ranks) if r.node is node]
         rates = ray.get([ranks[i].actor.matmul_tflops.remote() for _, _, i in timed])
-        for node, fits in node_fits:
+        for node, fits, slowdown in node_fits:
             _apply_tflops(node, {dev: rate for (n, dev, _), rate in zip(timed, rates) if n is node and rate})
             if fits:
-                _store(node, directory, quick, fits)
+                _store(node, directory, quick, fits, slowdown)
         if need_network:
             leaders = []
             for node in measurable:

@@ -1,0 +1,41 @@
+"""Where a process group meets: a store its rank 0 serves before any rank asks for it.
+
+`init_process_group(init_method="tcp://...")` starts rank 0's store inside that call, so a rank
+that gets there first finds nothing listening and connects again only after the client's
+backoff: 0.3-0.7 s of every start and restart on a 2-core host whose ranks arrive tens of
+milliseconds apart. Here rank 0 opens the store when the driver asks where the group meets
+(`serve`, before any rank is told), and every rank then joins a store already listening (`join`).
+Each group gets a store of its own, on a port the system chose, so a group that re-forms after a
+failure never meets in the broken one's store.
+
+This module imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+TIMEOUT = dist.constants.default_pg_timeout
+"""How long a rank waits for the store and its peers: what `init_process_group` allows by default."""
+
+PREFIX = "default_pg"
+"""The default group's keys live under this prefix, as `init_process_group`'s own rendezvous
+puts them, so other users of the store (the checkpoint writers' group) never collide with them."""
+
+
+def serve(host: str) -> dist.TCPStore:
+    """A store listening on `host`, at a port the system chose (`.port`): nothing can take the
+    port between choosing and binding it. Rank 0 holds it until it `join`s the group."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+
+
+def join(rank: int, world: int, address: tuple[str, int], backend: str,
+         served: dist.TCPStore | None = None) -> None:
+    """Join the default process group that meets at `address` (rank 0 passes the store it
+    `serve`d there; the others connect to it)."""
+    if rank == 0 and served is None:
+        raise ValueError(f"rank 0 of the group at {address[0]}:{address[1]} must join with the store it "
+                         "served there (serve() first)")
+    store = served if served is not None else dist.TCPStore(address[0], address[1], is_master=False,
+                                                            timeout=TIMEOUT)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(PREFIX, store), rank=rank, world_size=world)
