@@ -142,13 +142,18 @@ def test_two_nodes_time_the_network_with_all_reduce(tmp_path: Path) -> None:
         stored = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
         assert len(stored) == 2
         # Both nodes run on this machine's cores: their pairs slow each other down when they move
-        # data at once, as a step's in-node collectives do, and the links say so and carry it.
+        # data at once, as a step's in-node collectives do (1.2-2.0x here; a node's reading
+        # can fall under the mark now and then, both nodes' together hardly ever), and a node
+        # that reads it says so and carries it in its links.
+        slowed = 0
         for node, data in zip(topo.nodes, sorted(stored, key=lambda d: d["hostname"])):
             slowdown = data["shared_slowdown"]
-            assert slowdown >= measure.SHARED_MIN_SLOWDOWN, data
-            assert [w for w in node.warnings if "slower while every node did at once" in w]
+            said = [w for w in node.warnings if "slower while every node did at once" in w]
+            assert slowdown == 1.0 and not said or slowdown >= measure.SHARED_MIN_SLOWDOWN and len(said) == 1, data
+            slowed += slowdown > 1.0
             [pair] = data["pairs"]
             assert node.link(0, 1).bandwidth_gbps == pytest.approx(pair["bandwidth_gbps"], abs=1e-3)
+        assert slowed >= 1, stored
     finally:
         ray.shutdown()
         cluster.shutdown()

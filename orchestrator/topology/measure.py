@@ -38,6 +38,7 @@ QUICK_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 FULL_SIZES = tuple(4 << (10 + 2 * k) for k in range(8))  # 4 KiB .. 64 MiB, x4 steps
 _ITERS = 5
 _EXCHANGE_ITERS = 10
+_SHARED_ROUNDS = 3
 EXCHANGE_BYTES = 32 << 20
 """What each end of a pair sends in the shared-host check (`_shared_slowdowns`): long enough
 that the pairs of every node overlap for most of it."""
@@ -139,13 +140,17 @@ def _shared_slowdowns(ranks: list[_Rank], pairs: list[tuple[int, int] | None], s
     if len(timed) < 2:
         return [1.0] * len(pairs)
 
-    def both(pair: tuple[int, int]) -> list:
-        a, b = pair
-        return [ranks[a].actor.exchange.remote(b, size), ranks[b].actor.exchange.remote(a, size)]
+    def run(together: list[tuple[int, int]]) -> list[float]:
+        """Each pair's time (its slower end's), the pairs of `together` exchanging at once."""
+        got = ray.get([r.actor.exchanges.remote(together, size) for r in ranks])
+        return [max(got[a], got[b]) for a, b in together]
 
-    alone = [max(ray.get(both(p))) for p in timed]
-    refs = [both(p) for p in timed]
-    together = [max(ray.get(r)) for r in refs]
+    # Rounds taken in turn, the fastest of each kind kept: a round that another process on the
+    # host slowed says nothing about the nodes.
+    alone, together = [float("inf")] * len(timed), [float("inf")] * len(timed)
+    for _ in range(_SHARED_ROUNDS):
+        alone = [min(t, run([p])[0]) for t, p in zip(alone, timed)]
+        together = [min(t, got) for t, got in zip(together, run(timed))]
     found = iter(shared_slowdown(a, t) for a, t in zip(alone, together))
     return [next(found) if p is not None else 1.0 for p in pairs]
 
@@ -315,17 +320,26 @@ class BenchWorker:
             out.append(statistics.median(times))
         return out
 
-    def exchange(self, peer: int, size: int) -> float:
-        """The fastest of `_EXCHANGE_ITERS` times this rank and `peer` sent each other `size`
-        bytes at once, as the two ends of a ring step do (the peer calls this at the same time).
-        The fastest: other work on the host only ever adds to it."""
+    def exchanges(self, pairs: list[tuple[int, int]], size: int) -> float | None:
+        """The fastest of `_EXCHANGE_ITERS` times this rank and its partner in `pairs` sent each
+        other `size` bytes at once, as the two ends of a ring step do; None for a rank in no
+        pair. Every rank of the world calls this (the pairs' ranks form a group of their own),
+        and every pair starts each exchange together, after a barrier of that group: a pair
+        that ran ahead would otherwise time its last exchanges alone. The fastest, as other
+        work on the host only ever adds to it."""
         import torch
         import torch.distributed as dist
 
+        group = dist.new_group(sorted({r for pair in pairs for r in pair}))
+        me = dist.get_rank()
+        peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
+        if peer is None:
+            return None
         out = torch.empty(size, dtype=torch.uint8, device=self.device)
         back = torch.empty_like(out)
         times = []
         for it in range(_WARMUP + _EXCHANGE_ITERS):
+            dist.barrier(group=group)
             self._sync()
             t0 = time.perf_counter()
             for req in (dist.isend(out, peer), dist.irecv(back, peer)):
