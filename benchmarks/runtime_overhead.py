@@ -17,8 +17,10 @@ worker actors use), so only the launcher differs. Each launch is a fresh process
 what it needs (a Ray cluster for ours and Ray Train), as a user's first run does. Figures:
 seconds from launch to the end of the first optimizer step; steady-state tokens/s from the wall
 time between step ends (so whatever a launcher does between steps counts), beside the figure
-from the step's own timing; ours' loop overhead per step as its summary.json measures it; and
-the ratios. Goals: ours >= 0.99x torchrun's and >= 1.0x Ray Train's throughput, and
+from the step's own timing; ours' loop overhead per step as its summary.json measures it; the
+share of the machine's CPU that processes other than the ranks took during the steady steps
+(`_cpu.py`: a launcher's agent, Ray's daemons, the driver: time a step on a busy host loses);
+and the ratios. Goals: ours >= 0.99x torchrun's and >= 1.0x Ray Train's throughput, and
 launch-to-first-step no slower than Ray Train's and at most 1.5x torchrun's (cold and warm
 stated apart).
 Writes benchmarks/results/runtime_overhead.json.
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import ROOT, child_env, parse_args, print_table, python, run, steady_mean, write_result
+from _cpu import CpuSampler, split
 
 JOB = ROOT / "jobs" / "llm.yaml"
 WORLD = 2
@@ -48,6 +51,9 @@ GOAL_THROUGHPUT_VS_RAY_TRAIN = 1.0
 GOAL_FIRST_STEP_VS_TORCHRUN = 1.5
 _POLL_S = 0.02
 _TIMEOUT_S = 600
+_CPU_SAMPLE_S = 1.0
+"""How often every process's CPU time is read during a launch: one read of ~100 processes costs
+about 4 ms of one core, beside every launcher alike."""
 
 
 _BASE = ["parallel.strategy=ddp", "parallel.tp=1", f"cluster.num_workers={WORLD}", "checkpoint.enabled=false",
@@ -152,9 +158,9 @@ def _started(log: Path) -> float:
     return float(log.with_suffix(".start").read_text())
 
 
-def _launch(cmd: list[str], log: Path) -> float:
-    """Run `cmd` to the end; its launch wall time."""
-    with open(log, "w") as out:
+def _launch(cmd: list[str], log: Path, cpu: CpuSampler) -> float:
+    """Run `cmd` to the end, sampling every process's CPU time into `cpu`; its launch wall time."""
+    with open(log, "w") as out, cpu:
         t0 = time.time()
         log.with_suffix(".start").write_text(repr(t0))
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -176,13 +182,14 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
     work = Path(tempfile.mkdtemp(prefix=f"{launcher}-", dir=tmp))
     log = work / "output.log"
     exit_note = None
+    cpu = CpuSampler(_CPU_SAMPLE_S)
     if launcher.startswith("ours"):
         runs = work / "runs"
         cmd = [python(), "-m", "orchestrator", "submit", str(JOB), *job_overrides, f"monitor.runs_dir={runs}",
                f"train.compile={'true' if launcher == 'ours_compiled' else 'false'}"]
         if launcher == "ours_warm":
             cmd.append(f"cluster.address={warm_address}")
-        t0 = _launch(cmd, log)
+        t0 = _launch(cmd, log, cpu)
         run_dir = next(runs.iterdir())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         got = json.loads((run_dir / "plan.json").read_text())
@@ -212,7 +219,7 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
         else:
             cmd = [python(), me, "--child", "ray_train", "--spec", str(spec)]
         try:
-            t0 = _launch(cmd, log)
+            t0 = _launch(cmd, log, cpu)
         except RuntimeError as e:
             # A rank that aborts while the process group is torn down, after rank 0 wrote every
             # step's time, leaves the timings whole: they are kept, and the exit is said.
@@ -225,10 +232,13 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
     if first is None:
         raise RuntimeError(f"{launcher}: no step was seen; see {log}")
     wall = steady_interval(ends)
+    # The steady steps' window, as `steady_interval` counts them.
+    steady = ends[min(len(ends) // 5, 10):-1]
     return {"launcher": launcher, "first_step_s": first - t0, "steps": len(step_s),
             "step_s": steady_mean(step_s), "wall_step_s": wall, "tokens_per_s": tokens / wall,
             "in_step_tokens_per_s": tokens / steady_mean(step_s), "loop_overhead_s_per_step": overhead,
             "compile_s": compile_s, "wall_s": ends[-1] - t0 if ends else None,
+            "cpu": split(cpu.samples, steady[0], steady[-1], WORLD),
             # The driver's own breakdown, from run_job's start (Ray already up) to the first step.
             **({"startup": startup} if startup else {}),
             **({"exit": exit_note} if exit_note else {})}
@@ -255,6 +265,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             values = [r[key] for r in mine if r.get(key) is not None]
             if values:
                 med[name][key] = statistics.median(values)
+        shares = [r["cpu"]["others_share"] for r in mine if r.get("cpu")]
+        if shares:  # the machine's CPU that processes other than the ranks took during the steady steps
+            med[name]["others_cpu_share"] = statistics.median(shares)
         parts = [r["startup"] for r in mine if r.get("startup")]
         if parts:  # each part's median: where ours' seconds to a first step go
             med[name]["startup"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]
@@ -359,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{rat['throughput_compiled_over_torchrun']:.3f}x torchrun's; compile took {c.get('compile_s', 0):.1f} s"
               + (f", made up after {rat['compile_break_even_steps']:.0f} steps" if "compile_break_even_steps" in rat
                  else ", never made up"))
+    print("CPU other processes took during the steady steps (share of the machine's cores): "
+          + ", ".join(f"{name} {med[name]['others_cpu_share']:.1%}" for name in LAUNCHERS
+                      if "others_cpu_share" in med.get(name, {})))
     print(f"ours' own loop work per step: {med['ours'].get('loop_overhead_s_per_step', 0) * 1e3:.3f} ms")
     out = write_result("runtime_overhead", result, args)
     print(f"wrote {out}")

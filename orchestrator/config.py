@@ -110,7 +110,9 @@ class TrainConfig:
     compile: Union[bool, str] = "auto"
     """`torch.compile` each repeated block (torchtitan's per-block compile, composed with
     tensor parallelism, recomputation, FSDP2 and pipelines): `auto` compiles when the planner
-    predicts the run saves more step time than compiling costs, and runs eager, with one
+    predicts the run saves more step time than compiling costs (from the speedup and compile
+    time a compiled run of the same model measured, where `parallel.calibration` names it;
+    else from the device's table), and runs eager, with one
     warning naming it, for a model whose block does not compile as one graph; `true` compiles
     (a block that breaks the graph is refused in one line); `false` runs eager."""
 
@@ -165,8 +167,9 @@ class ParallelConfig:
     short for it skips the trial."""
     calibration: Optional[str] = None
     """A run directory (or its calibration.json) whose trial measured this cluster: every plan
-    is priced with its measured / predicted ratios (`plan --calibration` sets it too); None
-    prices from the tables and the probe alone."""
+    is priced with its measured / predicted ratios (`plan --calibration` sets it too), and
+    `train.compile=auto` with the compile gain a compiled run of the same model measured there;
+    None prices from the tables and the probe alone."""
 
 
 @dataclass

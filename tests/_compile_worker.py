@@ -33,6 +33,18 @@ def _losses(cfg, plan) -> list[float]:
     return out
 
 
+def _calibrated(cfg, plan) -> dict[str, float] | None:
+    """What a worker's start measures of compiled blocks (`Trainer.compile_times`)."""
+    from orchestrator.runtime.trainer import Trainer
+
+    tr = Trainer(cfg, plan, torch.device("cpu"))
+    tr.start()
+    times = tr.compile_times
+    del tr
+    gc.collect()
+    return times
+
+
 def run_rank(rank: int, world: int, init_file: str, out_dir: str, again: bool) -> None:
     from torch._dynamo.utils import counters
 
@@ -56,6 +68,9 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, again: bool) -
             counters.clear()
             result = {"compiled": _losses(cfg, compiled), "eager": eager,
                       "graphs": int(counters["stats"]["unique_graphs"]), "cache": cache_counters()}
+            if again:
+                result["compile_times"] = _calibrated(cfg, compiled)
+                result["eager_times"] = _calibrated(cfg, plan)
             if rank == 0:
                 name = case.name + ("-again" if again else "")
                 with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

@@ -16,6 +16,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import _common  # noqa: E402
+import _cpu  # noqa: E402
 import cost_model  # noqa: E402
 import memory_model  # noqa: E402
 import placement_gain  # noqa: E402
@@ -246,6 +247,35 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
     assert s["ratios"]["throughput_compiled_over_eager"] == pytest.approx(1050 / 995)
     runs[0]["tokens_per_s"] = 980.0
     assert not runtime_overhead.summarize(runs)["goals"]["throughput_vs_torchrun"]["met"]
+
+
+def test_cpu_split_charges_the_busiest_processes_to_the_ranks_and_names_the_rest(monkeypatch):
+    monkeypatch.setattr(_cpu.psutil, "cpu_count", lambda: 2)
+    before = {1: ("ray::Worker.train", 10.0), 2: ("ray::Worker.train", 11.0), 3: ("gcs_server", 1.0),
+              4: ("ray::MetricsSink", 2.0), 5: ("gone", 3.0)}
+    after = {1: ("ray::Worker.train", 19.5), 2: ("ray::Worker.train", 20.4), 3: ("gcs_server", 1.1),
+             4: ("ray::MetricsSink", 2.2), 6: ("ray::MetricsSink", 0.1)}  # 6 started inside the window
+    samples = [(99.0, {}), (100.0, before), (105.0, {}), (110.0, after), (111.0, {})]
+    got = _cpu.split(samples, 100.0, 110.0, world=2)
+    assert got["window_s"] == 10.0 and got["rank_names"] == ["ray::Worker.train"]
+    assert got["ranks_cores"] == pytest.approx(1.89)
+    assert got["others_cores"] == pytest.approx(0.04)
+    assert got["others_share"] == pytest.approx(0.02)
+    assert got["largest_others"] == pytest.approx({"ray::MetricsSink": 0.03, "gcs_server": 0.01})
+    with pytest.raises(ValueError, match="no two CPU samples"):
+        _cpu.split(samples, 104.0, 106.0, world=2)
+
+
+def test_cpu_sampler_reads_a_busy_childs_cpu_seconds_under_its_name():
+    import subprocess
+
+    with _cpu.CpuSampler(0.2) as cpu:
+        spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+        busy = subprocess.Popen([sys.executable, "-c", spin])
+        busy.wait()
+    seen = [s[busy.pid] for _, s in cpu.samples if busy.pid in s]
+    assert {name for name, _ in seen} == {f"{Path(sys.executable).name} -c"}
+    assert seen[-1][1] - seen[0][1] > 0.5  # it spun for 1.5 s; the sampler saw most of it
 
 
 def test_checkpoint_cost_measures_both_modes_on_every_checkpoint(tmp_path):

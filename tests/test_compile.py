@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from orchestrator.cli import main
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning import Plan, plan_job
+from orchestrator.planning.calibration import MAX_SPEEDUP, CompileGain, block_speedup, with_compile_gain
+from orchestrator.planning.calibration import load as load_calibration
 from orchestrator.planning.compile import COMPILE_S, COMPILE_SPEEDUP, EAGER, decide
 from orchestrator.planning.model_math import ModelShape
 from orchestrator.planning.plan import block_share
@@ -38,6 +41,96 @@ def test_auto_compiles_only_when_the_run_saves_more_than_compiling_costs():
     # On CPU ranks compiling measured no gain beyond the spread between launches: never under auto.
     cpu = decide("auto", "cpu", 10.0, steps=10**7)
     assert not cpu.enabled and "saves nothing measurable on cpu ranks" in cpu.reason
+
+
+def test_auto_prices_a_measured_gain_instead_of_the_table():
+    gain = CompileGain(model="gpt", block_class="Block", params=1000, speedup=1.25, compile_s=4.0)
+    # 0.2 s of blocks 1.25x faster: 40 ms a step, so 100 steps pay for 4 s of compiling, 99 do not.
+    long = decide("auto", "cpu", 0.2, 101, measured=gain, source="runs/a")
+    assert long.enabled and long.compile_s == 4.0 and long.saving_s_per_step == pytest.approx(0.04)
+    assert "1.25x as fast compiled, measured in runs/a" in long.reason
+    short = decide("auto", "cpu", 0.2, 99, measured=gain, source="runs/a")
+    assert not short.enabled and "a longer run would pay for it" in short.reason
+    slower = decide("auto", "gpu", 0.2, 10**6, measured=replace(gain, speedup=0.9), source="runs/b")
+    assert not slower.enabled and "compiled blocks ran 0.90x as fast as eager in runs/b" in slower.reason
+    # What the user asks for still wins, and a break still keeps auto eager.
+    assert decide("true", "cpu", 0.2, 1, measured=replace(gain, speedup=0.9)).enabled
+    assert not decide("auto", "cpu", 0.2, 10**6, graph_break="x.py:1", measured=gain).enabled
+
+
+def test_block_speedup_gives_the_whole_pass_difference_to_the_blocks():
+    # A 1.0 s pass, 0.8 s of it blocks, 0.9 s compiled: blocks 0.8 -> 0.7 s.
+    assert block_speedup(1.0, 0.9, 0.8) == pytest.approx(0.8 / 0.7)
+    assert block_speedup(1.0, 1.1, 0.8) == pytest.approx(0.8 / 0.9)  # compiled ran slower
+    assert block_speedup(1.0, 0.1, 0.5) == MAX_SPEEDUP  # more saved than the blocks took: noise, capped
+    with pytest.raises(ValueError):
+        block_speedup(1.0, 0.9, 0.0)
+
+
+def test_a_later_plan_of_the_same_model_takes_the_measured_gain_another_model_does_not(tmp_path):
+    cfg = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.max_steps=100000"])
+    topo = ClusterTopology(nodes=[cpu_node(2)])
+    eager = plan_job(cfg, topo)
+    assert not eager.compile.enabled  # the table prices CPU ranks at no gain
+    m = eager.model
+    (tmp_path / "calibration.json").write_text(json.dumps(with_compile_gain(
+        {"ratios": {"compute": 1.1}}, CompileGain(m.name, m.block_class, m.params, speedup=1.2, compile_s=3.0))))
+    cal = load_calibration(str(tmp_path))
+    assert cal.compute == 1.1 and cal.compile.speedup == 1.2  # a trial's ratios kept beside it
+    measured = plan_job(cfg, topo, calibration=cal)
+    assert measured.compile.enabled and f"measured in {tmp_path}" in measured.compile.reason
+    assert measured.compile.block_share == pytest.approx(
+        block_share(ModelShape.from_config(cfg.model), cfg.train.global_batch_size, str(measured.recompute)))
+    assert Plan.from_dict(json.loads(json.dumps(measured.to_dict()))).compile == measured.compile
+    wider = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.max_steps=100000", "model.n_embd=192"])
+    other = plan_job(wider, topo, calibration=cal)
+    assert not other.compile.enabled
+    assert any(line.startswith(f"compile: the calibration's compile figure ({tmp_path}) was measured on gpt "
+                               f"(Block, {m.params:,} parameters), not this model") for line in other.explanation)
+
+
+def test_a_compiled_run_records_its_measured_gain_where_a_later_plan_reads_it(tmp_path):
+    from orchestrator.control.rundir import RunDir
+    from orchestrator.control.summary import compile_record, save_compile_gain
+
+    cfg = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.compile=true"])
+    plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(2)]))
+    share = plan.compile.block_share
+    rows = [{"step_s": 3.0}] + [{"step_s": 0.1}] * 9
+    setups = [{"compile_times": {"compiled_s": 0.09, "eager_s": 0.1, "compile_s": 2.5}},
+              {"compile_times": {"compiled_s": 0.09, "eager_s": 0.1, "compile_s": 2.9}}]
+    rec = compile_record(plan, rows, [{}, {}], setups)
+    # The slowest rank's compile; the whole pass's 10 ms saved is the blocks'.
+    assert rec["measured_compile_s"] == 2.9 and rec["measured_pass_speedup"] == pytest.approx(0.1 / 0.09)
+    assert rec["measured_speedup"] == pytest.approx(0.1 * share / (0.1 * share - 0.01))
+    run = RunDir(tmp_path)
+    run.write_json("calibration.json", {"ratios": {"communication": 0.9}})  # a trial's, kept
+    line = save_compile_gain(run, plan, rec)
+    assert line.startswith(f"compile: the blocks ran {rec['measured_speedup']:.2f}x as fast compiled and compiling "
+                           f"took 2.9 s; parallel.calibration={tmp_path} prices")
+    cal = load_calibration(str(tmp_path))
+    assert cal.communication == 0.9 and cal.compile.speedup == pytest.approx(rec["measured_speedup"], rel=1e-3)
+    assert cal.compile.same_model(plan.model.name, plan.model.block_class, plan.model.params)
+    # A pipeline's ranks time no pass: the first step's excess is the compile, and nothing is saved.
+    piped = compile_record(plan, rows, [{}, {}], [{}, {}])
+    assert piped["measured_compile_s"] == pytest.approx(2.9) and "measured_speedup" not in piped
+    assert save_compile_gain(run, plan, piped) is None
+    eager = plan_job(load_config("jobs/llm.yaml", ["cluster.num_workers=2"]), ClusterTopology(nodes=[cpu_node(2)]))
+    assert "measured_compile_s" not in compile_record(eager, rows, [{}, {}], setups)
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ({"compile": {"model": "gpt", "block_class": "Block", "params": 1, "speedup": -1, "compile_s": 1}},
+     "compile 'speedup' must be a positive ratio below 100, got -1"),
+    ({"compile": {"model": "gpt", "speedup": 1.1}}, "missing"),
+    ({"compile": [1]}, "'compile' must be an object with model, block_class, params, speedup, compile_s"),
+    ({}, "holds no 'ratios' (expected compute, communication) and no 'compile' figure"),
+])
+def test_a_damaged_compile_calibration_is_one_line_naming_the_key(tmp_path, content, says):
+    (tmp_path / "calibration.json").write_text(json.dumps(content))
+    with pytest.raises(ConfigError, match=r"^key 'parallel.calibration': ") as e:
+        load_calibration(str(tmp_path))
+    assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def test_true_and_false_are_obeyed_and_a_break_is_eager_under_auto_refused_under_true():
@@ -177,6 +270,16 @@ def test_compiled_blocks_train_as_eager_ones_under_every_composition(parity, cas
     assert got["compiled"] == pytest.approx(got["eager"], rel=1e-5, abs=1e-6), case
     # Every block shares the one compiled graph (per class, not per layer).
     assert got["graphs"] == 1, f"{case}: {got['graphs']} compiled graphs for 2 blocks of one class"
+
+
+@pytest.mark.slow
+def test_a_compiled_start_times_its_pass_both_ways_and_what_compiling_took(parity):
+    times = parity["ddp-again"]["compile_times"]
+    assert set(times) == {"compiled_s", "eager_s", "compile_s"}
+    # The warm-up traced the blocks again (the cache spares only inductor's part): it took longer.
+    assert times["compile_s"] > 0 and times["compiled_s"] > 0 and times["eager_s"] > 0
+    assert 0.2 < times["eager_s"] / times["compiled_s"] < 5
+    assert parity["ddp-again"]["eager_times"] is None  # eager blocks: nothing to compare
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from .preflight import compile_checked, measure_model
 from .progress import ProgressView
 from .report import write_report
 from .rundir import RunDir
-from .summary import notes, print_summary, summarize, write_loss_curve
+from .summary import notes, print_summary, save_compile_gain, summarize, write_loss_curve
 from .verify import latest_whole_checkpoint
 
 
@@ -98,9 +98,12 @@ def run_job(
     if resume_from:
         summary["resumed_from"] = resume_from
     run.write_json("summary.json", summary)
+    gain_line = save_compile_gain(run, plan, summary["compile"])
     write_report(run)
     write_loss_curve(run, cfg, plan, state)
     print_summary(console, summary, run)
+    if gain_line:
+        console.print(gain_line, markup=False)
     return summary
 
 

@@ -3,7 +3,9 @@ curve, and the table the console ends with."""
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from typing import Any
 
 from rich.console import Console
@@ -12,6 +14,7 @@ from rich.table import Table
 
 from ..config import JobConfig
 from ..planning import Plan
+from ..planning.calibration import CALIBRATION_FILE, CompileGain, block_speedup, with_compile_gain
 from .curve import loss_svg
 from .follow import RunState, where
 from .rundir import RunDir
@@ -52,18 +55,54 @@ def peak_memory_warning(plan_total: int, finals: list[dict[str, Any]]) -> str | 
             f"plan's {plan_total:,} per rank by more than {PEAK_MEMORY_TOLERANCE:.0%}")
 
 
-def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str, Any]]) -> dict[str, Any]:
-    """What compiling the blocks cost against the plan's figures. The measured cost is the first
-    step's time over the steady step's (the first step compiles; an eager first step runs
-    about one steady step long on its allocations, which this leaves in), and each rank's
-    inductor cache hits and misses (a restart on the same node hits, misses 0)."""
+def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str, Any]],
+                   setups: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """What compiling the blocks cost and bought against the plan's figures. Where the ranks
+    timed their compute-only pass compiled and eager (`Trainer.calibrate_compute`): the slowest
+    rank's compile, the pass's speedup and the blocks' own (`block_speedup`), the medians over
+    the ranks. Otherwise (a pipeline) the cost is the first step's time over the steady step's
+    (the first step compiles). And each rank's inductor cache hits and misses (a restart on the
+    same node hits, misses 0)."""
     c = plan.compile
     out: dict[str, Any] = {"enabled": c.enabled, "requested": c.requested, "reason": c.reason,
                            "predicted_compile_s": c.compile_s, "predicted_saving_s_per_step": c.saving_s_per_step}
-    if c.enabled and len(rows) > 1:
+    if not c.enabled:
+        return out
+    timed = [s["compile_times"] for s in setups if s.get("compile_times")]
+    if timed:
+        eager = statistics.median(t["eager_s"] for t in timed)
+        compiled = statistics.median(t["compiled_s"] for t in timed)
+        out["measured_compile_s"] = max(t["compile_s"] for t in timed)
+        out["measured_pass_speedup"] = eager / compiled
+        out["measured_speedup"] = block_speedup(eager, compiled, c.block_share)
+    elif len(rows) > 1:
         out["measured_compile_s"] = max(0.0, rows[0]["step_s"] - steady_mean([r["step_s"] for r in rows]))
+    if len(rows) > 1:
         out["cache"] = [f.get("compile_cache") for f in finals]
     return out
+
+
+def compile_gain(plan: Plan, record: dict[str, Any]) -> CompileGain | None:
+    """The compile figure a later plan of this model can price `auto` with (calibration.json),
+    where this run measured one."""
+    if "measured_speedup" not in record:
+        return None
+    m = plan.model
+    return CompileGain(model=m.name, block_class=m.block_class, params=m.params,
+                       speedup=round(record["measured_speedup"], 4), compile_s=round(record["measured_compile_s"], 3))
+
+
+def save_compile_gain(run: RunDir, plan: Plan, record: dict[str, Any]) -> str | None:
+    """Add this run's compile figure (`compile_gain`) to its calibration.json, a trial's ratios
+    kept; the console's line about it, or None where the run measured none."""
+    gain = compile_gain(plan, record)
+    if gain is None:
+        return None
+    path = run.path / CALIBRATION_FILE
+    existing = json.loads(path.read_text()) if path.is_file() else None
+    run.write_json(CALIBRATION_FILE, with_compile_gain(existing, gain))
+    return (f"compile: the blocks ran {gain.speedup:.2f}x as fast compiled and compiling took {gain.compile_s:.1f} s; "
+            f"parallel.calibration={run.path} prices train.compile=auto with it")
 
 
 def overhead_share(finals: list[dict[str, Any]], step_s: float) -> float | None:
@@ -131,7 +170,7 @@ def summarize(cfg: JobConfig, plan: Plan, state: RunState, setups, finals, wall:
         "startup": state.startup,
         "restarts": state.restarts,
         "stragglers": state.stragglers.report(where(plan)),
-        "compile": compile_record(plan, state.rows, finals),
+        "compile": compile_record(plan, state.rows, finals, setups),
     }
 
 

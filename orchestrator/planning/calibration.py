@@ -6,13 +6,18 @@ measured compute and exposed communication compare with the planner's figures. T
 the run directory's calibration.json; `parallel.calibration=RUN` (or `plan --calibration RUN`)
 reads them back, so the next plan on the same cluster prices its candidates from what the
 cluster really did instead of from the tables and the probe alone.
+
+A run whose blocks ran compiled also measures what compiling bought (`CompileGain`: the
+blocks' eager time over their compiled time on its ranks, and the seconds compiling took) and
+adds it to the same file, so `train.compile=auto` on a later plan of the same model prices the
+gain this cluster measured instead of the table's.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,50 @@ MIN_PREDICTED_S = 1e-4
 
 
 @dataclass(frozen=True)
+class CompileGain:
+    """What compiling the blocks measured on one run, for the same model's later plans."""
+
+    model: str
+    """The model it was measured on (`ModelSummary.name`)."""
+    block_class: str
+    """Its repeated block's class."""
+    params: int
+    """Its parameter count: the same factory at another width or depth measures apart."""
+    speedup: float
+    """The blocks' eager time over their compiled time (below 1: compiled ran slower)."""
+    compile_s: float
+    """Seconds compiling took on the slowest rank (with that run's inductor cache)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.speedup, (int, float)) and 0 < self.speedup < 100):
+            raise ValueError(f"compile 'speedup' must be a positive ratio below 100, got {self.speedup!r}")
+        if not (isinstance(self.compile_s, (int, float)) and self.compile_s >= 0):
+            raise ValueError(f"compile 'compile_s' must be seconds (0 or more), got {self.compile_s!r}")
+
+    def same_model(self, name: str, block_class: str, params: int) -> bool:
+        return (self.model, self.block_class, self.params) == (name, block_class, params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def block_speedup(eager_s: float, compiled_s: float, block_share: float) -> float:
+    """The blocks' own eager / compiled time, from a whole forward and backward timed both ways
+    (`eager_s`, `compiled_s`) of which the blocks take `block_share`: only they compile, so the
+    whole pass's difference is theirs."""
+    if eager_s <= 0 or compiled_s <= 0 or not 0 < block_share <= 1:
+        raise ValueError(f"need positive pass times and a block share in (0, 1], got {eager_s}, {compiled_s}, "
+                         f"{block_share}")
+    blocks = eager_s * block_share
+    # A difference larger than the blocks' own time is timing noise on a tiny block: capped.
+    return blocks / max(blocks - (eager_s - compiled_s), blocks / MAX_SPEEDUP)
+
+
+MAX_SPEEDUP = 10.0
+"""The largest block speedup a measurement is taken at."""
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Factors the cost model multiplies its terms by: 1.0 prices from the tables and the probe."""
 
@@ -36,6 +85,8 @@ class Calibration:
     """Measured / predicted exposed communication seconds."""
     source: str = ""
     """Where the figures came from (a run directory); empty for the uncalibrated model."""
+    compile: CompileGain | None = None
+    """What compiling the blocks measured there; None where they did not run compiled."""
 
     def __post_init__(self) -> None:
         for term in TERMS:
@@ -82,16 +133,29 @@ def load(run_dir: str) -> Calibration:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{key}: no {CALIBRATION_FILE} at {path}; a run writes one when its trial "
-                          f"(parallel.trial) measured at least one plan") from None
+                          f"(parallel.trial) measured at least one plan, or its blocks ran compiled") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: {path} is not readable JSON ({e})") from None
-    ratios = data.get("ratios") if isinstance(data, dict) else None
-    if not isinstance(ratios, dict) or not ratios:
-        raise ConfigError(f"{key}: {path} holds no 'ratios' (expected {', '.join(TERMS)})")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: {path} is not a JSON object")
+    ratios, gain = data.get("ratios", {}), data.get("compile")
+    if not isinstance(ratios, dict) or not (ratios or gain):
+        raise ConfigError(f"{key}: {path} holds no 'ratios' (expected {', '.join(TERMS)}) and no 'compile' figure")
     unknown = sorted(set(ratios) - set(TERMS))
     if unknown:
         raise ConfigError(f"{key}: {path} names unknown term(s) {unknown}; allowed: {', '.join(TERMS)}")
     try:
-        return Calibration(**{t: float(ratios[t]) for t in TERMS if t in ratios}, source=str(path.parent))
+        compiled = None
+        if gain is not None:
+            if not isinstance(gain, dict):
+                raise ValueError(f"'compile' must be an object with {', '.join(f.name for f in fields(CompileGain))}")
+            compiled = CompileGain(**gain)
+        return Calibration(**{t: float(ratios[t]) for t in TERMS if t in ratios}, source=str(path.parent),
+                           compile=compiled)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {path}: {e}") from None
+
+
+def with_compile_gain(existing: dict[str, Any] | None, gain: CompileGain) -> dict[str, Any]:
+    """calibration.json's contents with `gain` added: a trial's ratios, if it wrote any, kept."""
+    return {**(existing or {}), "compile": gain.to_dict()}

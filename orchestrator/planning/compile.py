@@ -4,7 +4,8 @@ Compilation is per block class, as torchtitan does it: every repeated block is c
 place, and blocks of one class share one compiled graph, so the cost is paid once per class
 (forward and backward), not per layer. What it buys is a faster block: the embeddings, head,
 loss, optimizer and every collective run as before. `auto` compiles when the seconds saved
-over the run's steps exceed the seconds compiling takes.
+over the run's steps exceed the seconds compiling takes: priced from the device's table, or from
+what a compiled run of the same model measured on this cluster (a calibration).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import PlanError
+from .calibration import CompileGain
 
 COMPILE_SPEEDUP = {"gpu": 6667 / 5762, "cpu": 1.0}
 """A block's eager time over its compiled time. gpu: torchtitan's Llama 3 8B on 8 H100s
@@ -24,7 +26,8 @@ gained 1.03x alone and 1.02x in the runtime's whole step (benchmarks/compile_gai
 0.94x-1.01x across whole `submit` launches. The built-in Llama's (RMSNorm, SwiGLU, rotary)
 gained 1.10x under zero3 (benchmarks/runtime_overhead.py). With no gain priced, `auto` never
 spends a compile on a CPU run that would not pay for it; `train.compile=true` takes the gain
-where a user knows it is there."""
+where a user knows it is there, and measures it: a later plan of the same model prices `auto`
+with that run's figures instead (`parallel.calibration`, `calibration.CompileGain`)."""
 
 COMPILE_S = {"gpu": 13.1, "cpu": 13.1}
 """Seconds to compile one block class's forward and backward from a cold cache (a warm cache on
@@ -51,6 +54,9 @@ class CompilePlan:
     """Optimizer steps the saving is counted over (the run's max_steps)."""
     reason: str
     """One line: why the blocks run compiled or eager."""
+    block_share: float = 1.0
+    """The share of a step's compute in the repeated blocks: what compiling speeds up (from a
+    whole pass timed both ways, the blocks' own speedup follows)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,36 +64,47 @@ class CompilePlan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CompilePlan":
         return cls(enabled=bool(d["enabled"]), requested=str(d["requested"]), compile_s=float(d["compile_s"]),
-                   saving_s_per_step=float(d["saving_s_per_step"]), steps=int(d["steps"]), reason=str(d["reason"]))
+                   saving_s_per_step=float(d["saving_s_per_step"]), steps=int(d["steps"]), reason=str(d["reason"]),
+                   block_share=float(d.get("block_share", 1.0)))
 
 
 EAGER = CompilePlan(enabled=False, requested="false", compile_s=0.0, saving_s_per_step=0.0, steps=0,
                     reason="blocks run eager: train.compile=false")
 
 
-def block_saving_s(block_compute_s: float, device: str) -> float:
-    """Seconds a step saves when blocks that take `block_compute_s` eager run compiled."""
-    return block_compute_s * (1.0 - 1.0 / COMPILE_SPEEDUP[device])
+def block_saving_s(block_compute_s: float, speedup: float) -> float:
+    """Seconds a step saves when blocks that take `block_compute_s` eager run `speedup` times
+    faster compiled (negative where compiled ran slower)."""
+    return block_compute_s * (1.0 - 1.0 / speedup)
 
 
 def decide(requested: str, device: str, block_compute_s: float, steps: int,
-           graph_break: str | None = None) -> CompilePlan:
+           graph_break: str | None = None, measured: CompileGain | None = None, source: str = "") -> CompilePlan:
     """Compile or not. `block_compute_s`: the predicted seconds per optimizer step the blocks'
     forward and backward take on one rank (recomputation included); `graph_break`: where the
     block first breaks the graph: a block that does not compile as one graph runs eager under
-    `auto`, and is refused (PlanError naming the key) under `true`."""
+    `auto`, and is refused (PlanError naming the key) under `true`. `measured`: what compiling
+    this model's blocks bought on this cluster (a calibration from the run in `source`), priced
+    instead of the device's table figures."""
     if requested not in CHOICES:
         raise ValueError(f"train.compile must be one of {', '.join(CHOICES)}, got {requested!r}")
     if device not in COMPILE_SPEEDUP:
         raise ValueError(f"device kind must be one of {', '.join(COMPILE_SPEEDUP)}, got {device!r}")
     if requested == "false":
         return EAGER
-    cost = COMPILE_S[device]  # one block class (the repeated block list): one graph
-    per_step = block_saving_s(block_compute_s, device)
+    # One block class (the repeated block list): one graph, one compile.
+    speedup, cost = (measured.speedup, measured.compile_s) if measured else (COMPILE_SPEEDUP[device], COMPILE_S[device])
+    per_step = block_saving_s(block_compute_s, speedup)
     saved = per_step * steps
-    priced = (f"compiling costs about {cost:.1f} s once and saves {per_step * 1e3:.2f} ms per step, "
-              f"{saved:.0f} s over {steps} steps" if per_step > 0 else
-              f"compiling costs about {cost:.1f} s once and saves nothing measurable on {device} ranks")
+    where = f" (blocks {speedup:.2f}x as fast compiled, measured in {source or 'a calibration'})" if measured else ""
+    if per_step > 0:
+        priced = (f"compiling costs about {cost:.1f} s once and saves {per_step * 1e3:.2f} ms per step, "
+                  f"{saved:.0f} s over {steps} steps{where}")
+    elif measured:
+        priced = (f"compiled blocks ran {speedup:.2f}x as fast as eager in {source or 'a calibration'}: "
+                  f"compiling saves nothing")
+    else:
+        priced = f"compiling costs about {cost:.1f} s once and saves nothing measurable on {device} ranks"
     if graph_break is not None and requested == "true":
         raise PlanError(f"key 'train.compile': true, but the block does not compile as one graph ({graph_break}); "
                         f"use train.compile=auto or false, or make the block traceable")

@@ -14,7 +14,7 @@ from ..choices import AccumSync, Choice, Compression, Precision, Recompute, Stra
 from ..config import JobConfig
 from ..errors import ModelTooLarge, PlanError
 from ..topology.model import ClusterTopology, Device
-from .calibration import UNCALIBRATED, Calibration
+from .calibration import UNCALIBRATED, Calibration, CompileGain
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compile import EAGER, CompilePlan, decide
 from .compute import DeviceSpeed, device_speed, unlisted_note
@@ -542,16 +542,18 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
                      for r in res.rejected[:MAX_ALTERNATIVES]]
     ranks, nic_notes = assign_nics(real_ranks(view, real, cl), {node_name(n, i): n for i, n in enumerate(real.nodes)})
     nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
+    model = ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
+                         peak_tflops_per_rank=ctx.speed.peak_tflops, name=spec.name if spec else "gpt",
+                         blocks=shape.layers, block_class=spec.block_class if spec else "Block",
+                         tp_plan=shape.tp_capable)
+    gain, gain_note = measured_gain(ctx.calibration, model)
     # The optimizer's share of compute_s is counted with the blocks': a slight overstatement of
     # the saving, which the run's length outweighs or not by far more.
-    compiled = decide(str(cfg.train.compile), ctx.device, e.compute_s * block_share(shape, ctx.global_batch,
-                                                                                    str(e.choice.recompute)),
-                      cfg.train.max_steps, spec.graph_break if spec else None)
+    share = block_share(shape, ctx.global_batch, str(e.choice.recompute))
+    compiled = replace(decide(str(cfg.train.compile), ctx.device, e.compute_s * share, cfg.train.max_steps,
+                              spec.graph_break if spec else None, gain, ctx.calibration.source), block_share=share)
     return Plan(
-        model=ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
-                           peak_tflops_per_rank=ctx.speed.peak_tflops, name=spec.name if spec else "gpt",
-                           blocks=shape.layers, block_class=spec.block_class if spec else "Block",
-                           tp_plan=shape.tp_capable),
+        model=model,
         strategy=e.choice.strategy,
         mesh=e.choice.mesh,
         ranks=ranks,
@@ -567,11 +569,22 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         recompute=e.choice.recompute,
         alternatives=tuple(alternatives),
         explanation=tuple(_explain(res, ctx, cons, topology, suggestion) + _unlisted(topology, cfg)
-                          + [f"compile: {compiled.reason}"]
+                          + [f"compile: {compiled.reason}"] + gain_note
                           + describe_domains(view, real) + nic_notes + [f"left out: {x}" for x in left_out]),
         left_out=left_out,
         compile=compiled,
     )
+
+
+def measured_gain(calibration: Calibration, model: ModelSummary) -> tuple[CompileGain | None, list[str]]:
+    """The calibration's compile figure where it was measured on this model, else None, with a
+    line saying why it was not used: another model's blocks compile to other graphs."""
+    g = calibration.compile
+    if g is None or g.same_model(model.name, model.block_class, model.params):
+        return g, []
+    return None, [f"compile: the calibration's compile figure ({calibration.source}) was measured on {g.model} "
+                  f"({g.block_class}, {g.params:,} parameters), not this model ({model.name}, {model.block_class}, "
+                  f"{model.params:,}): priced from the table instead"]
 
 
 def block_share(shape: ModelShape, batch: int, recompute: str) -> float:

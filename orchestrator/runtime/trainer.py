@@ -130,6 +130,9 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
         self.tokens_per_step = gb * m.block_size
         self.compute_micro_s: float | None = None
+        self.compile_times: dict[str, float] | None = None
+        """Compiled blocks only: the compute-only pass compiled and eager, and what compiling took
+        (`calibrate_compute`)."""
         self.applied = 0
         """Optimizer steps the model's state has applied (a step's update counts once made)."""
 
@@ -237,37 +240,58 @@ class Trainer:
         counts gradient communication only.) None under a pipeline, whose stages cannot run a
         micro-batch apart from the schedule, and where FSDP2 is planned to hold only sharded
         gradients (`holds_unsharded_grads`): a backward without sync would hold the whole
-        model's unsharded gradients at once, memory the plan does not have."""
-        if self.pipelined or not self.holds_unsharded_grads():
+        model's unsharded gradients at once, memory the plan does not have. Compiled blocks
+        are also timed eager (`compile_times`), on passes that sync where no pass may skip it."""
+        if self.pipelined:
             return None
         x, y = self.data.train_batch(0, self.cfg.train.global_batch_size, self.dp_rank, self.dp_world)
         x, y = x[: self.micro].to(self.device), y[: self.micro].to(self.device)
-        model = self.par.model
-        model.train()
-
-        def timed() -> float:
-            self._sync()
-            t0 = time.perf_counter()
-            with self.par.no_sync():
-                with self._autocast():
-                    loss = self._loss(model, x, y) * 0.0
-                loss.backward()
-            self._sync()
-            return time.perf_counter() - t0
-
-        timed()  # pays for allocation and warm-up, which the first step then does not
-        times = [timed()]
+        self.par.model.train()
+        if not self.holds_unsharded_grads():
+            if self.compiled:
+                warm_up = self._timed_pass(x, y, sync=True)
+                self.compile_times = self._eager_too(x, y, True, [self._timed_pass(x, y, sync=True)
+                                                                  for _ in range(2)], warm_up)
+                self.par.zero_grad()
+            return None
+        # The warm-up pays for allocation (and compiling), which the first step then does not.
+        warm_up = self._timed_pass(x, y)
+        times = [self._timed_pass(x, y)]
         # Every start and restart waits for these passes, so they stop at CALIBRATION_BUDGET_S.
         # Sharded passes gather parameters, so every rank must run as many: the count follows
         # the slowest rank's first pass.
         slowest = torch.tensor([times[0]], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         more = max(0, min(repeats, int(CALIBRATION_BUDGET_S // max(slowest.item(), 1e-9))) - 1)
-        times += [timed() for _ in range(more)]
+        times += [self._timed_pass(x, y) for _ in range(more)]
         # The fastest is the figure: other work on the host only ever adds to a pass.
-        self.par.zero_grad()
         self.compute_micro_s = min(times)
+        if self.compiled:
+            self.compile_times = self._eager_too(x, y, False, times, warm_up)
+        self.par.zero_grad()
         return self.compute_micro_s
+
+    def _timed_pass(self, x: torch.Tensor, y: torch.Tensor, sync: bool = False) -> float:
+        """Seconds of one forward and backward of the loss scaled by zero (zero gradients)."""
+        self._sync()
+        t0 = time.perf_counter()
+        with contextlib.nullcontext() if sync else self.par.no_sync():
+            with self._autocast():
+                loss = self._loss(self.par.model, x, y) * 0.0
+            loss.backward()
+        self._sync()
+        return time.perf_counter() - t0
+
+    def _eager_too(self, x: torch.Tensor, y: torch.Tensor, sync: bool, compiled: list[float],
+                   warm_up: float) -> dict[str, float]:
+        """The passes just timed with compiled blocks (`compiled`, after a `warm_up` that compiled
+        them), again with the blocks eager: what compiling bought, for a later plan's `auto`
+        (calibration.py), and what it cost."""
+        with torch.compiler.set_stance("force_eager"):
+            self._timed_pass(x, y, sync)
+            eager = [self._timed_pass(x, y, sync) for _ in compiled]
+        fastest = min(compiled)
+        return {"compiled_s": fastest, "eager_s": min(eager), "compile_s": max(0.0, warm_up - fastest)}
 
     def holds_unsharded_grads(self) -> bool:
         """Whether the plan already holds whole (unsharded) gradients between backward passes:

@@ -362,6 +362,7 @@ class Worker:
         return {"num_params": self.trainer.num_params, "timings": timings,
                 "notes": notes + self.trainer.build_notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
+                "compile_times": self.trainer.compile_times,
                 "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
 
