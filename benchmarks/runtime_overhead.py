@@ -3,12 +3,15 @@
     python benchmarks/runtime_overhead.py [--quick] [--steps N] [--repeats N]
 
 The same GPT, data, world size (2 workers) and strategy (DDP, the same plan: micro-batch,
-accumulation, bucket size) are trained three ways in one run, alternating (ABCABC...):
+accumulation, bucket size) are trained six ways in one run, alternating (ABCDEFABCDEF...):
 
 * ours: `python -m orchestrator submit jobs/llm.yaml` (its run directory is read), starting
   its private Ray cluster as the default does;
 * ours_warm: the same `submit` to a Ray cluster already running (`cluster.address`), as jobs
   reach a cloud cluster: Ray's start is not paid, every worker process still is;
+* ours_compiled: the same `submit` with train.compile=true (its blocks compiled);
+* ours_auto: `submit` with train.compile=auto, planned with the compile gain the ours_compiled
+  launch before it measured (`parallel.calibration`): compiled where that pays over the run;
 * Ray Train: `ray.train.torch.TorchTrainer` on a fresh local Ray cluster;
 * torchrun: `python -m torch.distributed.run --nproc-per-node 2`.
 
@@ -20,8 +23,9 @@ time between step ends (so whatever a launcher does between steps counts), besid
 from the step's own timing; ours' loop overhead per step as its summary.json measures it; the
 share of the machine's CPU that processes other than the ranks took during the steady steps
 (`_cpu.py`: a launcher's agent, Ray's daemons, the driver: time a step on a busy host loses);
-and the ratios. Goals: ours >= 0.99x torchrun's and >= 1.0x Ray Train's throughput, and
-launch-to-first-step no slower than Ray Train's and at most 1.5x torchrun's (cold and warm
+and the ratios. For ours_auto, its time from Ray up to the last step over eager ours' (compiling,
+or not, must never leave the run behind). Goals: ours >= 0.99x torchrun's and >= 1.0x Ray
+Train's throughput, and launch-to-first-step no slower than Ray Train's and at most 1.5x torchrun's (cold and warm
 stated apart).
 Writes benchmarks/results/runtime_overhead.json.
 """
@@ -44,8 +48,11 @@ from _cpu import CpuSampler, split
 
 JOB = ROOT / "jobs" / "llm.yaml"
 WORLD = 2
-LAUNCHERS = ("ours", "ours_warm", "ours_compiled", "ray_train", "torchrun")
-"""`ours_compiled` is `submit` with train.compile=true: the same run with its blocks compiled."""
+LAUNCHERS = ("ours", "ours_warm", "ours_compiled", "ours_auto", "ray_train", "torchrun")
+"""`ours_compiled` is `submit` with train.compile=true: the same run with its blocks compiled;
+`ours_auto` with train.compile=auto priced by what the `ours_compiled` launch just before it
+measured (`parallel.calibration` naming its run directory): compiled where that pays over the
+run's steps, else eager."""
 GOAL_THROUGHPUT_VS_TORCHRUN = 0.99
 GOAL_THROUGHPUT_VS_RAY_TRAIN = 1.0
 GOAL_FIRST_STEP_VS_TORCHRUN = 1.5
@@ -176,19 +183,23 @@ def _launch(cmd: list[str], log: Path, cpu: CpuSampler) -> float:
 
 
 def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp: Path,
-             warm_address: str | None = None) -> dict[str, Any]:
+             warm_address: str | None = None, calibration: str | None = None) -> dict[str, Any]:
     """One launch; the seconds to the first step's end and the steady tokens/s. `warm_address`:
-    the running Ray cluster `ours_warm` submits to."""
+    the running Ray cluster `ours_warm` submits to; `calibration`: the run directory whose
+    measured compile gain `ours_auto` plans with."""
     work = Path(tempfile.mkdtemp(prefix=f"{launcher}-", dir=tmp))
     log = work / "output.log"
     exit_note = None
     cpu = CpuSampler(_CPU_SAMPLE_S)
     if launcher.startswith("ours"):
         runs = work / "runs"
+        compile_ = {"ours_compiled": "true", "ours_auto": "auto"}.get(launcher, "false")
         cmd = [python(), "-m", "orchestrator", "submit", str(JOB), *job_overrides, f"monitor.runs_dir={runs}",
-               f"train.compile={'true' if launcher == 'ours_compiled' else 'false'}"]
+               f"train.compile={compile_}"]
         if launcher == "ours_warm":
             cmd.append(f"cluster.address={warm_address}")
+        if launcher == "ours_auto":
+            cmd.append(f"parallel.calibration={calibration}")
         t0 = _launch(cmd, log, cpu)
         run_dir = next(runs.iterdir())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -205,6 +216,9 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
         overhead = max(summary["measured"]["orchestration_overhead_s_per_step"])
         startup = summary.get("startup")
         compile_s = summary["compile"].get("measured_compile_s")
+        compiled = {"enabled": summary["compile"]["enabled"], "reason": summary["compile"]["reason"],
+                    **{k: summary["compile"][k] for k in ("measured_speedup", "measured_compile_s")
+                       if k in summary["compile"]}}
         # When rank 0's first step ended, as it stamped it: what torchrun's and Ray Train's
         # ranks write too, so no launcher's figure includes how late its parent saw the step.
         first = ends[0] if ends else None
@@ -228,7 +242,7 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
             t0, exit_note = _started(log), str(e).splitlines()[0]
         data = json.loads(result.read_text())
         ends, step_s, tokens = data["step_end"], data["step_s"], data["tokens_per_step"]
-        first, overhead, compile_s, startup = ends[0] if ends else None, None, None, None
+        first, overhead, compile_s, startup, compiled = ends[0] if ends else None, None, None, None, None
     if first is None:
         raise RuntimeError(f"{launcher}: no step was seen; see {log}")
     wall = steady_interval(ends)
@@ -241,6 +255,10 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
             "cpu": split(cpu.samples, steady[0], steady[-1], WORLD),
             # The driver's own breakdown, from run_job's start (Ray already up) to the first step.
             **({"startup": startup} if startup else {}),
+            # From Ray up to the last step: what compiling (or not) did to the run's whole time,
+            # without the spread of starting Ray.
+            **({"wall_past_ray_s": ends[-1] - t0 - startup["ray_start_s"]} if startup and ends else {}),
+            **({"compile": compiled, "run_dir": str(run_dir)} if compiled else {}),
             **({"exit": exit_note} if exit_note else {})}
 
 
@@ -261,7 +279,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         med[name] = {"first_step_s": statistics.median(r["first_step_s"] for r in mine),
                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine), "repeats": len(mine)}
-        for key in ("in_step_tokens_per_s", "wall_step_s", "loop_overhead_s_per_step", "compile_s"):
+        for key in ("in_step_tokens_per_s", "wall_step_s", "loop_overhead_s_per_step", "compile_s", "wall_past_ray_s"):
             values = [r[key] for r in mine if r.get(key) is not None]
             if values:
                 med[name][key] = statistics.median(values)
@@ -292,6 +310,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if saved > 0 and compiled.get("compile_s") is not None:
             # Steps after which the compiled run has made up its compile time on the eager one.
             ratios["compile_break_even_steps"] = compiled["compile_s"] / saved
+    auto = med.get("ours_auto")
+    if auto is not None and "wall_past_ray_s" in auto and "wall_past_ray_s" in ours:
+        ratios["wall_auto_over_eager"] = auto["wall_past_ray_s"] / ours["wall_past_ray_s"]
+        ratios["auto_compiled_launches"] = sum(1 for r in runs if r["launcher"] == "ours_auto"
+                                               and r.get("compile", {}).get("enabled"))
     goals = {
         "throughput_vs_torchrun": {"at_least": GOAL_THROUGHPUT_VS_TORCHRUN,
                                    "met": ratios["throughput_ours_over_torchrun"] >= GOAL_THROUGHPUT_VS_TORCHRUN},
@@ -336,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
                 # Started before its launch and stopped after it: a second cluster alive during
                 # the others' launches slows their own Ray start (by 4 s here).
                 with warm_cluster() if launcher == "ours_warm" else contextlib.nullcontext() as address:
-                    r = run_once(launcher, plan, job_overrides, Path(tmp), address)
+                    measured = next(r["run_dir"] for r in reversed(runs) if r["launcher"] == "ours_compiled")  \
+                        if launcher == "ours_auto" else None
+                    r = run_once(launcher, plan, job_overrides, Path(tmp), address, measured)
                 r["repeat"] = rep
                 runs.append(r)
                 print(f"  {launcher:<10} first step after {r['first_step_s']:6.2f} s, "
@@ -372,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{rat['throughput_compiled_over_torchrun']:.3f}x torchrun's; compile took {c.get('compile_s', 0):.1f} s"
               + (f", made up after {rat['compile_break_even_steps']:.0f} steps" if "compile_break_even_steps" in rat
                  else ", never made up"))
+    if "wall_auto_over_eager" in rat:
+        last = next(r for r in reversed(runs) if r["launcher"] == "ours_auto")
+        print(f"auto, priced by the compiled launch's measurement: compiled in {rat['auto_compiled_launches']} of "
+              f"{med['ours_auto']['repeats']} launches; from Ray up to the last step "
+              f"{rat['wall_auto_over_eager']:.3f}x eager's. Its plan said: {last['compile']['reason']}")
     print("CPU other processes took during the steady steps (share of the machine's cores): "
           + ", ".join(f"{name} {med[name]['others_cpu_share']:.1%}" for name in LAUNCHERS
                       if "others_cpu_share" in med.get(name, {})))

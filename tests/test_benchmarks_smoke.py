@@ -247,6 +247,14 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
     assert s["ratios"]["throughput_compiled_over_eager"] == pytest.approx(1050 / 995)
     runs[0]["tokens_per_s"] = 980.0
     assert not runtime_overhead.summarize(runs)["goals"]["throughput_vs_torchrun"]["met"]
+    # auto against eager over the run's whole time past Ray's start, and how often it compiled.
+    runs[0]["wall_past_ray_s"] = 20.0
+    runs += [{"launcher": "ours_auto", "first_step_s": 9.0, "tokens_per_s": 1000.0, "wall_past_ray_s": 19.0,
+              "compile": {"enabled": True}},
+             {"launcher": "ours_auto", "first_step_s": 9.0, "tokens_per_s": 1000.0, "wall_past_ray_s": 21.0,
+              "compile": {"enabled": False}}]
+    r = runtime_overhead.summarize(runs)["ratios"]
+    assert r["wall_auto_over_eager"] == pytest.approx(1.0) and r["auto_compiled_launches"] == 1
 
 
 def test_cpu_split_charges_the_busiest_processes_to_the_ranks_and_names_the_rest(monkeypatch):

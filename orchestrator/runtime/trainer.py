@@ -44,6 +44,9 @@ CALIBRATION_BUDGET_S = 0.1
 """Seconds of timed passes the compute-only baseline (`calibrate_compute`) takes after its
 warm-up before it stops: a GPU's millisecond passes are all timed, a pass this long or longer
 only once, so the baseline costs a start or restart at most about two passes (four, before)."""
+COMPILE_PASSES = 3
+"""Passes a start with compiled blocks times each way (compiled, eager) to measure the gain:
+one of each alone is within the host's spread of a few percent."""
 
 
 @dataclass
@@ -249,9 +252,7 @@ class Trainer:
         self.par.model.train()
         if not self.holds_unsharded_grads():
             if self.compiled:
-                warm_up = self._timed_pass(x, y, sync=True)
-                self.compile_times = self._eager_too(x, y, True, [self._timed_pass(x, y, sync=True)
-                                                                  for _ in range(2)], warm_up)
+                self.compile_times = self._compile_gain(x, y, True, self._timed_pass(x, y, sync=True))
                 self.par.zero_grad()
             return None
         # The warm-up pays for allocation (and compiling), which the first step then does not.
@@ -267,7 +268,7 @@ class Trainer:
         # The fastest is the figure: other work on the host only ever adds to a pass.
         self.compute_micro_s = min(times)
         if self.compiled:
-            self.compile_times = self._eager_too(x, y, False, times, warm_up)
+            self.compile_times = self._compile_gain(x, y, False, warm_up)
         self.par.zero_grad()
         return self.compute_micro_s
 
@@ -282,14 +283,18 @@ class Trainer:
         self._sync()
         return time.perf_counter() - t0
 
-    def _eager_too(self, x: torch.Tensor, y: torch.Tensor, sync: bool, compiled: list[float],
-                   warm_up: float) -> dict[str, float]:
-        """The passes just timed with compiled blocks (`compiled`, after a `warm_up` that compiled
-        them), again with the blocks eager: what compiling bought, for a later plan's `auto`
-        (calibration.py), and what it cost."""
+    def _compile_gain(self, x: torch.Tensor, y: torch.Tensor, sync: bool, warm_up: float) -> dict[str, float]:
+        """What compiling bought, for a later plan's `auto` (calibration.py), and what it cost:
+        COMPILE_PASSES passes with the blocks compiled and as many eager, alternating so the
+        host's drift hits both, the fastest of each; `warm_up`, the pass that compiled them,
+        over the fastest compiled one is the compile."""
         with torch.compiler.set_stance("force_eager"):
-            self._timed_pass(x, y, sync)
-            eager = [self._timed_pass(x, y, sync) for _ in compiled]
+            self._timed_pass(x, y, sync)  # the eager path's own first use
+        compiled, eager = [], []
+        for _ in range(COMPILE_PASSES):
+            compiled.append(self._timed_pass(x, y, sync))
+            with torch.compiler.set_stance("force_eager"):
+                eager.append(self._timed_pass(x, y, sync))
         fastest = min(compiled)
         return {"compiled_s": fastest, "eager_s": min(eager), "compile_s": max(0.0, warm_up - fastest)}
 
