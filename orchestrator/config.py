@@ -110,7 +110,7 @@ class TrainConfig:
     compile: Union[bool, str] = "auto"
     """`torch.compile` each repeated block (torchtitan's per-block compile, composed with
     tensor parallelism, recomputation, FSDP2 and pipelines): `auto` compiles when the planner
-    predicts the run saves more step time than compiling costs (from the speedup and compile
+    predicts the run saves twice the time compiling costs (from the speedup and compile
     time a compiled run of the same model measured, where `parallel.calibration` names it;
     else from the device's table), and runs eager, with one
     warning naming it, for a model whose block does not compile as one graph; `true` compiles

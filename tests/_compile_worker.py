@@ -71,6 +71,8 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, again: bool) -
             if again:
                 result["compile_times"] = _calibrated(cfg, compiled)
                 result["eager_times"] = _calibrated(cfg, plan)
+                result["priced_times"] = _calibrated(cfg, replace(compiled, compile=replace(compiled.compile,
+                                                                                            measured=True)))
             if rank == 0:
                 name = case.name + ("-again" if again else "")
                 with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

@@ -6,6 +6,7 @@ pipelines), one compiled graph shared by the blocks, reused from the cache by a 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning import Plan, plan_job
 from orchestrator.planning.calibration import MAX_SPEEDUP, CompileGain, block_speedup, with_compile_gain
 from orchestrator.planning.calibration import load as load_calibration
-from orchestrator.planning.compile import COMPILE_S, COMPILE_SPEEDUP, EAGER, decide
+from orchestrator.planning.compile import AUTO_MARGIN, COMPILE_S, COMPILE_SPEEDUP, EAGER, decide
 from orchestrator.planning.model_math import ModelShape
 from orchestrator.planning.plan import block_share
 from orchestrator.topology.model import ClusterTopology, cpu_node
@@ -32,8 +33,11 @@ def test_auto_compiles_only_when_the_run_saves_more_than_compiling_costs():
     per_step = 0.2 * (1 - 1 / COMPILE_SPEEDUP["gpu"])
     short = decide("auto", "gpu", 0.2, steps=100)
     assert not short.enabled and short.saving_s_per_step == 0 and short.compile_s == 0
-    assert f"{per_step * 1e3:.2f} ms per step" in short.reason and "a longer run would pay" in short.reason
-    even = COMPILE_S["gpu"] / per_step
+    # It must save twice what compiling costs (AUTO_MARGIN): the reason says from how many steps.
+    even = AUTO_MARGIN * COMPILE_S["gpu"] / per_step
+    assert f"{per_step * 1e3:.2f} ms per step" in short.reason
+    assert short.reason.endswith(f"it compiles where a run saves 2x what compiling costs, "
+                                 f"{math.ceil(even)} steps or more")
     assert not decide("auto", "gpu", 0.2, steps=int(even) - 1).enabled
     long = decide("auto", "gpu", 0.2, steps=int(even) + 1)
     assert long.enabled and long.compile_s == COMPILE_S["gpu"]
@@ -44,13 +48,15 @@ def test_auto_compiles_only_when_the_run_saves_more_than_compiling_costs():
 
 
 def test_auto_prices_a_measured_gain_instead_of_the_table():
-    gain = CompileGain(model="gpt", block_class="Block", params=1000, speedup=1.25, compile_s=4.0)
-    # 0.2 s of blocks 1.25x faster: 40 ms a step, so 100 steps pay for 4 s of compiling, 99 do not.
-    long = decide("auto", "cpu", 0.2, 101, measured=gain, source="runs/a")
-    assert long.enabled and long.compile_s == 4.0 and long.saving_s_per_step == pytest.approx(0.04)
-    assert "1.25x as fast compiled, measured in runs/a" in long.reason
-    short = decide("auto", "cpu", 0.2, 99, measured=gain, source="runs/a")
-    assert not short.enabled and "a longer run would pay for it" in short.reason
+    gain = CompileGain(model="gpt", block_class="Block", params=1000, speedup=2.0, compile_s=4.0)
+    # 0.25 s of blocks twice as fast: 125 ms a step, so 64 steps save twice the 4 s of compiling.
+    long = decide("auto", "cpu", 0.25, 64, measured=gain, source="runs/a")
+    assert long.enabled and long.compile_s == 4.0 and long.saving_s_per_step == 0.125
+    assert long.measured  # the runtime compiles without timing the gain again
+    assert "2.00x as fast compiled, measured in runs/a" in long.reason
+    short = decide("auto", "cpu", 0.25, 63, measured=gain, source="runs/a")
+    assert not short.enabled and not short.measured and short.reason.endswith("64 steps or more")
+    assert not decide("true", "cpu", 0.2, 10).measured  # the table's price: the run times the gain
     slower = decide("auto", "gpu", 0.2, 10**6, measured=replace(gain, speedup=0.9), source="runs/b")
     assert not slower.enabled and "compiled blocks ran 0.90x as fast as eager in runs/b" in slower.reason
     # What the user asks for still wins, and a break still keeps auto eager.
@@ -280,6 +286,8 @@ def test_a_compiled_start_times_its_pass_both_ways_and_what_compiling_took(parit
     assert times["compile_s"] > 0 and times["compiled_s"] > 0 and times["eager_s"] > 0
     assert 0.2 < times["eager_s"] / times["compiled_s"] < 5
     assert parity["ddp-again"]["eager_times"] is None  # eager blocks: nothing to compare
+    # Planned from a measured gain: the compile is timed, the gain is not timed again.
+    assert set(parity["ddp-again"]["priced_times"]) == {"compiled_s", "compile_s"}
 
 
 @pytest.mark.slow

@@ -70,11 +70,12 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
         return out
     timed = [s["compile_times"] for s in setups if s.get("compile_times")]
     if timed:
-        eager = statistics.median(t["eager_s"] for t in timed)
-        compiled = statistics.median(t["compiled_s"] for t in timed)
         out["measured_compile_s"] = max(t["compile_s"] for t in timed)
-        out["measured_pass_speedup"] = eager / compiled
-        out["measured_speedup"] = block_speedup(eager, compiled, c.block_share)
+        if all("eager_s" in t for t in timed):  # the gain was timed (not where the plan priced a measured one)
+            eager = statistics.median(t["eager_s"] for t in timed)
+            compiled = statistics.median(t["compiled_s"] for t in timed)
+            out["measured_pass_speedup"] = eager / compiled
+            out["measured_speedup"] = block_speedup(eager, compiled, c.block_share)
     elif len(rows) > 1:
         out["measured_compile_s"] = max(0.0, rows[0]["step_s"] - steady_mean([r["step_s"] for r in rows]))
     if len(rows) > 1:
