@@ -40,9 +40,10 @@ measures it where a GPU is lent); the CPU figure stands in."""
 AUTO_MARGIN = 2.0
 """`auto` compiles only when the run saves this many times what compiling costs. The gain a few
 timed passes measure spreads around what the steps then gain: the built-in Llama under zero3
-measured its blocks 1.07x-1.11x faster compiled in three launches, and its steps then ran
-1.04x-1.09x faster (benchmarks/runtime_overhead.py), so a run priced to just pay could end
-behind eager. At twice the cost, a saving overstated by half still pays."""
+measured its blocks 1.07x-1.11x faster compiled in three launches whose steps then ran
+1.04x-1.09x faster, and 1.04x-1.05x in two whose steps ran 1.08x-1.11x faster
+(benchmarks/runtime_overhead.py), so a run priced to just pay could end behind eager. At twice
+the cost, a saving overstated by half still pays."""
 
 CHOICES = ("auto", "true", "false")
 
