@@ -25,8 +25,8 @@ share of the machine's CPU that processes other than the ranks took during the s
 (`_cpu.py`: a launcher's agent, Ray's daemons, the driver: time a step on a busy host loses);
 and the ratios. For ours_auto, its time from Ray up to the last step over eager ours' (compiling,
 or not, must never leave the run behind). Goals: ours >= 0.99x torchrun's and >= 1.0x Ray
-Train's throughput, and launch-to-first-step no slower than Ray Train's and at most 1.5x torchrun's (cold and warm
-stated apart).
+Train's throughput, and launch-to-first-step no slower than Ray Train's and at most 1.5x
+torchrun's (cold and warm stated apart).
 Writes benchmarks/results/runtime_overhead.json.
 """
 
@@ -331,6 +331,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"median": med, "ratios": ratios, "goals": goals}
 
 
+def _last_compiled_run(runs: list[dict[str, Any]]) -> str:
+    """The run directory of the latest ours_compiled launch: whose measured gain ours_auto plans with."""
+    return next(r["run_dir"] for r in reversed(runs) if r["launcher"] == "ours_compiled")
+
+
 def options(ap) -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per launch (30 quick, 120 full)")
     ap.add_argument("--repeats", type=int, default=None, help="launches of each kind (1 quick, 3 full)")
@@ -359,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Started before its launch and stopped after it: a second cluster alive during
                 # the others' launches slows their own Ray start (by 4 s here).
                 with warm_cluster() if launcher == "ours_warm" else contextlib.nullcontext() as address:
-                    measured = next(r["run_dir"] for r in reversed(runs) if r["launcher"] == "ours_compiled")  \
-                        if launcher == "ours_auto" else None
+                    measured = _last_compiled_run(runs) if launcher == "ours_auto" else None
                     r = run_once(launcher, plan, job_overrides, Path(tmp), address, measured)
                 r["repeat"] = rep
                 runs.append(r)

@@ -60,8 +60,9 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
     """What compiling the blocks cost and bought against the plan's figures. Where the ranks
     timed their compute-only pass compiled and eager (`Trainer.calibrate_compute`): the slowest
     rank's compile, the pass's speedup and the blocks' own (`block_speedup`), the medians over
-    the ranks. Otherwise (a pipeline) the cost is the first step's time over the steady step's
-    (the first step compiles). And each rank's inductor cache hits and misses (a restart on the
+    the ranks. Otherwise (a pipeline; FSDP2 holding only sharded gradients under a plan priced
+    from a measured gain, which is not timed again) the cost is the first step's time over the
+    steady step's (the first step compiles). And each rank's inductor cache hits and misses (a restart on the
     same node hits, misses 0)."""
     c = plan.compile
     out: dict[str, Any] = {"enabled": c.enabled, "requested": c.requested, "reason": c.reason,
