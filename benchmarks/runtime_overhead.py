@@ -147,12 +147,14 @@ def _child(mode: str, spec_path: str) -> int:
 
 @contextlib.contextmanager
 def warm_cluster():
-    """A Ray cluster of one node with the private cluster's settings (WORLD CPUs, workers at
-    normal priority); yields its address."""
+    """A Ray cluster of one node with the private cluster's settings (WORLD CPUs,
+    `PRIVATE_CLUSTER_CONFIG`); yields its address."""
     from ray.cluster_utils import Cluster
 
+    from orchestrator.connect.cluster import PRIVATE_CLUSTER_CONFIG
+
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": WORLD, "include_dashboard": False, "_system_config": {"worker_niceness": 0}})
+        "num_cpus": WORLD, "include_dashboard": False, "_system_config": dict(PRIVATE_CLUSTER_CONFIG)})
     try:
         yield cluster.address
     finally:

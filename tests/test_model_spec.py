@@ -3,6 +3,7 @@ activation bytes measured on the meta device; bad models fail in one line naming
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -169,14 +170,37 @@ def test_bad_models_fail_in_one_line_naming_the_key(tmp_path, monkeypatch, facto
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_bad_factory_from_the_command_line_is_one_line_exit_2(tmp_path) -> None:
+@pytest.mark.parametrize("factory, message", [
+    ("no_such_module_xyz:build", "key 'model.factory': cannot import"),
+    # imports, builds, and only its measured forward breaks the contract
+    ("plainmodel_c:flat", "must return logits [B, T, V]"),
+])
+def test_bad_model_from_the_command_line_is_one_line_exit_2(tmp_path, factory, message) -> None:
+    """The model is measured while Ray starts (`start_measuring`); one that breaks the contract
+    still ends the submit in one line, with no run directory (nor the runs directory it made) left."""
+    (tmp_path / "plainmodel_c.py").write_text(textwrap.dedent(PLAIN))
     runs = tmp_path / "runs"
     r = subprocess.run([sys.executable, "-m", "orchestrator", "submit", str(ROOT / "jobs/llm.yaml"),
-                        "model.factory=no_such_module_xyz:build", f"monitor.runs_dir={runs}"],
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                        f"model.factory={factory}", "model.args={vocab: 300, dim: 8}", f"monitor.runs_dir={runs}"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr and "key 'model.factory': cannot import" in r.stderr
+    assert "Traceback" not in r.stderr and message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not runs.exists()
+
+
+def test_a_model_is_measured_alongside_whatever_the_driver_does_meanwhile(tmp_path, monkeypatch) -> None:
+    from orchestrator.control.preflight import measure_model, start_measuring
+
+    _module(tmp_path, monkeypatch, "plainmodel_d", PLAIN)
+    cfg = load_config(None, ["model.factory=plainmodel_d:build", "model.args={vocab: 300, dim: 8}"])
+    assert start_measuring(cfg).result() == measure_model(cfg)
+    bad = load_config(None, ["model.factory=plainmodel_d:flat", "model.args={vocab: 300, dim: 8}"])
+    with pytest.raises(ConfigError, match="must return logits"):
+        start_measuring(bad).result()
+    # The built-in GPT is priced from its config: nothing to wait for, no thread, no torch.
+    builtin = start_measuring(load_config(ROOT / "jobs/llm.yaml", []))
+    assert builtin.done() and builtin.result() is None
 
 
 def test_tensor_parallel_all_reduces_are_counted_from_the_models_own_plan() -> None:

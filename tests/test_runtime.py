@@ -399,6 +399,22 @@ def test_the_private_clusters_workers_run_at_normal_priority(cluster):
     assert ray.get(niceness.remote()) == 0
 
 
+def test_the_private_cluster_polls_its_local_connections_every_tenth_of_a_second(cluster):
+    """Ray's raylet retries its connection to the object store it has just started after 1 s,
+    which made every other start of the cluster 1 s slower; the private cluster retries after
+    0.1 s, as often as makes Ray's own 10 s of patience, and its processes see it."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def poll() -> tuple[int, int]:
+        from ray._raylet import Config
+
+        return Config.raylet_client_connect_timeout_milliseconds(), Config.raylet_client_num_connect_attempts()
+
+    timeout_ms, attempts = ray.get(poll.remote())
+    assert timeout_ms == 100 and timeout_ms * attempts == 10_000
+
+
 def test_a_rank_started_below_normal_priority_restores_it_or_says_why():
     import subprocess
     import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -107,7 +108,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
 
     from ..connect.cluster import connect
     from ..connect.remote import RUN_DIR_LINE, RUN_NAME_ENV
-    from ..control.preflight import measure_model
+    from ..control.preflight import start_measuring
     from ..control.rundir import RunDir, anchored
     from ..control.signals import stop_on_sigterm
     from ..control.worker_logs import WorkerLogs
@@ -137,13 +138,15 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
         from ..planning.calibration import load as load_calibration
 
         load_calibration(cfg.parallel.calibration)  # a bad one is refused before anything starts
-    # A model that breaks the contract fails here, in one line, before any cluster or run directory.
-    spec = measure_model(cfg, model_fn)
+    # Measured while Ray starts; a model that breaks the contract still fails in one line, and
+    # leaves neither a cluster nor a run directory behind.
+    measuring = start_measuring(cfg, model_fn)
     # The user's model module travels with the job (a Jobs API entrypoint's own env carries it already).
     modules = [] if inside_ray_job() else model_modules(cfg.model, model_fn)
     runtime_env = {"py_modules": modules} if modules else None
     # Named before Ray starts so the dashboard's Jobs page can name it; removed again (it is
     # still empty) when no cluster is there, so a failed connect leaves nothing behind.
+    runs_existed = Path(cfg.monitor.runs_dir).exists()
     run_dir = RunDir.create(cfg.monitor.runs_dir, cfg.name, exact=os.environ.get(RUN_NAME_ENV))
     with ExitStack() as cluster:
         t_ray = time.monotonic()
@@ -151,15 +154,21 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
             dashboard_url = cluster.enter_context(connect(
                 cfg.cluster.address, num_cpus=need_cpus, dashboard=cfg.monitor.dashboard, runtime_env=runtime_env,
                 metadata={"job_name": cfg.name, "run_dir": str(run_dir.path)}))
+            t_measured = time.monotonic()
+            spec = measuring.result()
         except BaseException:
             run_dir.path.rmdir()
+            if not runs_existed:
+                with contextlib.suppress(OSError):  # another submit's run may be in it by now
+                    run_dir.path.parent.rmdir()
             raise
-        ray_start_s = time.monotonic() - t_ray
+        # What start-up waited for: the connection, then what measuring the model took longer.
+        ray_start_s, measure_s = t_measured - t_ray, time.monotonic() - t_measured
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
         with WorkerLogs(run_dir, console, verbose=verbose):
             summary = _run_until_stopped(cfg, job, run_dir, console, dashboard_url, resume, model_fn, spec,
-                                         ray_start_s=ray_start_s)
+                                         ray_start_s=ray_start_s, measure_s=measure_s)
     if cfg.checkpoint.export:
         from ..control.export import export_run
 
@@ -170,7 +179,7 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
 
 
 def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: str | None, resume: str | None,
-                       model_fn=None, spec=None, ray_start_s: float | None = None) -> dict:
+                       model_fn=None, spec=None, ray_start_s: float | None = None, measure_s: float = 0.0) -> dict:
     """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
     driver has released its actors and placement group by then)."""
     from ..control.driver import run_job
@@ -181,7 +190,7 @@ def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: st
     t0 = time.monotonic()
     try:
         return run_job(cfg, run_dir, console, dashboard_url, resume_from=resume, model_fn=model_fn, spec=spec,
-                       ray_start_s=ray_start_s)
+                       ray_start_s=ray_start_s, measure_s=measure_s)
     except KeyboardInterrupt as e:
         name = signal_name(e)
         summary = stopped_summary(cfg, run_dir, name, time.monotonic() - t0, resume)

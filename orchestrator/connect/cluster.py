@@ -9,6 +9,22 @@ from typing import Iterator
 
 from ..errors import UserError
 
+PRIVATE_CLUSTER_CONFIG = {
+    # Ray starts workers at niceness 15 so its own processes win the CPU; in a private
+    # cluster the workers are the training itself, and on a host whose cores they keep busy
+    # every wake-up of the raylet, the GCS or an agent then stalls a step and, through the
+    # next collective, every rank (1.8% of a zero3 step on this project's 2-core machine, over 4
+    # alternating pairs of runs).
+    "worker_niceness": 0,
+    # The raylet connects to the object store it has just started, and a worker to its raylet,
+    # retrying after this long: Ray's 1 s made every other start of the cluster 1 s slower
+    # (2.2 s or 3.2 s to `ray.init` on this machine; 2.2-2.35 s polled every 0.1 s). The same
+    # 10 s of patience in all.
+    "raylet_client_connect_timeout_milliseconds": 100,
+    "raylet_client_num_connect_attempts": 100,
+}
+"""The `_system_config` of the private local cluster `connect` starts (`address=None`)."""
+
 
 @contextmanager
 def connect(
@@ -48,12 +64,7 @@ def connect(
         kwargs["job_config"] = JobConfig(metadata=dict(metadata))
     if address is None:
         cpus = max(os.cpu_count() or 1, int(num_cpus or 0))
-        # Ray starts workers at niceness 15 so its own processes win the CPU; in a private
-        # cluster the workers are the training itself, and on a host whose cores they keep busy
-        # every wake-up of the raylet, the GCS or an agent then stalls a step and, through the
-        # next collective, every rank (1.8% of a zero3 step on this project's 2-core machine, over 4
-        # alternating pairs of runs).
-        kwargs.update(address="local", num_cpus=cpus, _system_config={"worker_niceness": 0})
+        kwargs.update(address="local", num_cpus=cpus, _system_config=PRIVATE_CLUSTER_CONFIG)
         # Our private cluster keeps Ray's token authentication on; its notice that it is on
         # speaks to people who started a cluster themselves.
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

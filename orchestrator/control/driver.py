@@ -56,17 +56,21 @@ def run_job(
     model_fn: Callable[..., Any] | None = None,
     spec: ModelSpec | None = None,
     ray_start_s: float | None = None,
+    measure_s: float = 0.0,
 ) -> dict[str, Any]:
     """Run the job on the connected Ray cluster, restarting after failures up to
     `train.max_failures` times; returns the summary written to summary.json. `model_fn` builds
     the model instead of `model.factory` (the Python API); `spec` is its measurement
     (`measure_model`), made here when not given. `ray_start_s`: the seconds the caller took to
-    start (or reach) Ray just before, the start-up breakdown's first part."""
+    start (or reach) Ray just before, the start-up breakdown's first part; `measure_s`: how much
+    longer measuring the model (`start_measuring`, alongside Ray's start) took, its second."""
     t_start = time.monotonic()
     calibration = load_calibration(cfg.parallel.calibration) if cfg.parallel.calibration else UNCALIBRATED
-    phases = Phases(time.time() - (ray_start_s or 0.0))
+    phases = Phases(time.time() - (ray_start_s or 0.0) - measure_s)
     if ray_start_s is not None:
         phases.add("ray_start_s", ray_start_s)
+    if measure_s:
+        phases.add("measure_s", measure_s)
     state = RunState(model_fn=model_fn, spec=spec if spec is not None else measure_model(cfg, model_fn),
                      phases=phases, calibration=calibration)
     run.write_text("config.yaml", to_yaml(cfg))

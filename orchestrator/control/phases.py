@@ -1,10 +1,10 @@
 """Where the seconds to a first step go: at the run's start and after each restart.
 
 One `Phases` clock is open at a time. The driver adds each part as it ends (Ray's start, or the
-connection to a running cluster; probe, plan, placement, actor start, process group, model
-build, state restore; after a failure also detection and teardown), and the first step after
-it closes the clock: summary.json's `startup`, or the restart record's `breakdown`, with the
-total and the largest part.
+connection to a running cluster; what measuring the model took beyond it; probe, plan,
+placement, actor start, process group, model build, state restore; after a failure also
+detection and teardown), and the first step after it closes the clock: summary.json's
+`startup`, or the restart record's `breakdown`, with the total and the largest part.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PART_NAMES = {
-    "detection_s": "detection", "teardown_s": "teardown", "ray_start_s": "Ray start", "probe_s": "probe",
+    "detection_s": "detection", "teardown_s": "teardown", "ray_start_s": "Ray start",
+    "measure_s": "model measurement", "probe_s": "probe",
     "plan_s": "plan",
     "placement_s": "placement", "actor_start_s": "actor start", "trial_s": "trial",
     "process_group_s": "process group",
