@@ -219,7 +219,8 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
         startup = summary.get("startup")
         compile_s = summary["compile"].get("measured_compile_s")
         compiled = {"enabled": summary["compile"]["enabled"], "reason": summary["compile"]["reason"],
-                    **{k: summary["compile"][k] for k in ("measured_speedup", "measured_compile_s")
+                    **{k: summary["compile"][k] for k in ("measured_speedup", "measured_compile_s",
+                                                          "measured_step_speedup", "measured_speedup_from")
                        if k in summary["compile"]}}
         # When rank 0's first step ended, as it stamped it: what torchrun's and Ray Train's
         # ranks write too, so no launcher's figure includes how late its parent saw the step.

@@ -45,6 +45,32 @@ def _calibrated(cfg, plan) -> dict[str, float] | None:
     return times
 
 
+def _stepped(cfg, plan) -> dict:
+    """A compiled run of COMPILE_GAIN_STEPS' length: the steps it timed each way, and at which
+    steps its blocks were put eager (`torch.compiler.set_stance` watched)."""
+    from orchestrator.runtime.trainer import COMPILE_GAIN_STEPS, Trainer
+
+    tr = Trainer(cfg, plan, torch.device("cpu"))
+    stances, step_now = [], [None]
+    real = torch.compiler.set_stance
+
+    def watched(stance="default", **kw):
+        stances.append((step_now[0], stance))
+        return real(stance, **kw)
+
+    torch.compiler.set_stance = watched
+    try:
+        for s in range(COMPILE_GAIN_STEPS.stop):
+            step_now[0] = s
+            tr.train_step(s)
+    finally:
+        torch.compiler.set_stance = real
+    out = {"compile_steps": tr.compile_steps, "eager_at": [s for s, st in stances if st == "force_eager"]}
+    del tr
+    gc.collect()
+    return out
+
+
 def run_rank(rank: int, world: int, init_file: str, out_dir: str, again: bool) -> None:
     from torch._dynamo.utils import counters
 
@@ -73,6 +99,10 @@ def run_rank(rank: int, world: int, init_file: str, out_dir: str, again: bool) -
                 result["eager_times"] = _calibrated(cfg, plan)
                 result["priced_times"] = _calibrated(cfg, replace(compiled, compile=replace(compiled.compile,
                                                                                             measured=True)))
+                longer = load_config(None, [*overrides, "train.max_steps=10"])
+                result["stepped"] = _stepped(longer, replace(compiled, compile=replace(compiled.compile, steps=10)))
+                result["stepped_priced"] = _stepped(longer, replace(compiled, compile=replace(
+                    compiled.compile, steps=10, measured=True)))
             if rank == 0:
                 name = case.name + ("-again" if again else "")
                 with open(os.path.join(out_dir, f"{name}.json"), "w") as f:

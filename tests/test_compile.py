@@ -17,9 +17,15 @@ from orchestrator.cli import main
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning import Plan, plan_job
-from orchestrator.planning.calibration import MAX_SPEEDUP, CompileGain, block_speedup, with_compile_gain
+from orchestrator.planning.calibration import (
+    MAX_SPEEDUP,
+    CompileGain,
+    block_speedup,
+    speedup_from_saving,
+    with_compile_gain,
+)
 from orchestrator.planning.calibration import load as load_calibration
-from orchestrator.planning.compile import AUTO_MARGIN, COMPILE_S, COMPILE_SPEEDUP, EAGER, decide
+from orchestrator.planning.compile import AUTO_MARGIN, COMPILE_S, COMPILE_SPEEDUP, EAGER, block_saving_s, decide
 from orchestrator.planning.model_math import ModelShape
 from orchestrator.planning.plan import block_share
 from orchestrator.topology.model import ClusterTopology, cpu_node
@@ -123,6 +129,54 @@ def test_a_compiled_run_records_its_measured_gain_where_a_later_plan_reads_it(tm
     assert save_compile_gain(run, plan, piped) is None
     eager = plan_job(load_config("jobs/llm.yaml", ["cluster.num_workers=2"]), ClusterTopology(nodes=[cpu_node(2)]))
     assert "measured_compile_s" not in compile_record(eager, rows, [{}, {}], setups)
+
+
+def test_steps_trained_both_ways_are_the_gain_a_later_plan_prices_back(tmp_path):
+    """Where the ranks timed whole steps eager and compiled, the blocks' speedup is the one that
+    saves what the steps saved: the same plan, priced from it, predicts exactly that saving."""
+    from orchestrator.control.rundir import RunDir
+    from orchestrator.control.summary import compile_record, save_compile_gain
+
+    cfg = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.compile=true", "train.max_steps=1000"])
+    topo = ClusterTopology(nodes=[cpu_node(2)])
+    plan = plan_job(cfg, topo)
+    block_s = plan.compile.block_compute_s
+    assert block_s > 0.001
+    rows = [{"step_s": 3.0}] + [{"step_s": 0.1}] * 9
+    setups = [{"compile_times": {"compiled_s": 0.09, "eager_s": 0.1, "compile_s": 2.5}}] * 2
+    # The fastest step of each kind counts; rank 1's 1 ms less saving is the median's other half.
+    finals = [{"compile_steps": {"eager_s": [0.205, 0.2, 0.21, 0.2], "compiled_s": [0.2 - 0.001, 0.22, 0.2, 0.2]}},
+              {"compile_steps": {"eager_s": [0.2, 0.2, 0.2, 0.2], "compiled_s": [0.2, 0.2, 0.2, 0.2]}}]
+    rec = compile_record(plan, rows, finals, setups)
+    eager, compiled = 0.2, 0.2 - 0.0005
+    assert rec["measured_step_speedup"] == pytest.approx(eager / compiled)
+    assert rec["measured_speedup_from"] == "steps"
+    assert rec["measured_pass_speedup"] == pytest.approx(0.1 / 0.09)  # the passes', kept beside it
+    assert rec["measured_speedup"] == pytest.approx(block_s / (block_s - 0.0005))
+    assert block_saving_s(block_s, rec["measured_speedup"]) == pytest.approx(0.0005)
+    run = RunDir(tmp_path)
+    line = save_compile_gain(run, plan, rec)
+    assert rec["measured_saving_s_per_step"] == pytest.approx(0.0005)
+    assert line.startswith(f"compile: steps ran {eager / compiled:.2f}x as fast with the blocks compiled (0.5 ms "
+                           f"saved a step) and compiling took 2.5 s")
+    auto = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.compile=auto", "train.max_steps=1000"])
+    again = plan_job(auto, topo, calibration=load_calibration(str(tmp_path)))
+    assert again.compile.compile_s == 0.0 and again.compile.saving_s_per_step == 0.0  # 0.5 s saved < 2 x 2.5 s
+    assert "saves 0.50 ms per step" in again.compile.reason
+    # Compiled steps slower than eager ones: a speedup below 1, whatever the passes said.
+    slower = [{"compile_steps": {"eager_s": [0.2], "compiled_s": [0.21]}}] * 2
+    assert compile_record(plan, rows, slower, setups)["measured_speedup"] == pytest.approx(block_s / (block_s + 0.01))
+    # A plan.json from before the blocks' time was kept: the passes' figure, said as such.
+    old = replace(plan, compile=replace(plan.compile, block_compute_s=0.0))
+    assert compile_record(old, rows, finals, setups)["measured_speedup_from"] == "passes"
+
+
+def test_speedup_from_saving_inverts_the_saving_and_caps_noise():
+    assert speedup_from_saving(0.8, 0.1) == pytest.approx(0.8 / 0.7)
+    assert block_saving_s(0.8, speedup_from_saving(0.8, -0.1)) == pytest.approx(-0.1)
+    assert speedup_from_saving(0.8, 0.8) == MAX_SPEEDUP
+    with pytest.raises(ValueError):
+        speedup_from_saving(0.0, 0.1)
 
 
 @pytest.mark.parametrize(("content", "says"), [
@@ -288,6 +342,18 @@ def test_a_compiled_start_times_its_pass_both_ways_and_what_compiling_took(parit
     assert parity["ddp-again"]["eager_times"] is None  # eager blocks: nothing to compare
     # Planned from a measured gain: the compile is timed, the gain is not timed again.
     assert set(parity["ddp-again"]["priced_times"]) == {"compiled_s", "compile_s"}
+
+
+@pytest.mark.slow
+def test_a_compiled_run_trains_every_other_of_its_gain_steps_eager_and_times_both(parity):
+    got = parity["ddp-again"]["stepped"]
+    assert got["eager_at"] == [2, 4, 6, 8]
+    steps = got["compile_steps"]
+    assert len(steps["eager_s"]) == len(steps["compiled_s"]) == 4
+    assert 0.2 < min(steps["eager_s"]) / min(steps["compiled_s"]) < 5
+    # Planned from a measured gain: no step runs eager.
+    assert parity["ddp-again"]["stepped_priced"] == {"compile_steps": {"eager_s": [], "compiled_s": []},
+                                                     "eager_at": []}
 
 
 @pytest.mark.slow

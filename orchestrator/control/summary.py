@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ..config import JobConfig
 from ..planning import Plan
-from ..planning.calibration import CALIBRATION_FILE, CompileGain, block_speedup, with_compile_gain
+from ..planning.calibration import CALIBRATION_FILE, CompileGain, block_speedup, speedup_from_saving, with_compile_gain
 from .curve import loss_svg
 from .follow import RunState, where
 from .rundir import RunDir
@@ -62,8 +62,12 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
     rank's compile, the pass's speedup and the blocks' own (`block_speedup`), the medians over
     the ranks. Otherwise (a pipeline; FSDP2 holding only sharded gradients under a plan priced
     from a measured gain, which is not timed again) the cost is the first step's time over the
-    steady step's (the first step compiles). And each rank's inductor cache hits and misses (a restart on the
-    same node hits, misses 0)."""
+    steady step's (the first step compiles). Where the ranks also trained steps both ways
+    (`Trainer.compile_steps`, a run of COMPILE_GAIN_STEPS or more): the whole step's speedup
+    (the fastest step of each kind, the median over the ranks), and the blocks' speedup is the
+    one that saves what the steps saved (`speedup_from_saving`): what a step gains, collectives
+    and optimizer included, is what `auto` prices, and the passes are its fallback. And each
+    rank's inductor cache hits and misses (a restart on the same node hits, misses 0)."""
     c = plan.compile
     out: dict[str, Any] = {"enabled": c.enabled, "requested": c.requested, "reason": c.reason,
                            "predicted_compile_s": c.compile_s, "predicted_saving_s_per_step": c.saving_s_per_step}
@@ -79,6 +83,16 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
             out["measured_speedup"] = block_speedup(eager, compiled, c.block_share)
     elif len(rows) > 1:
         out["measured_compile_s"] = max(0.0, rows[0]["step_s"] - steady_mean([r["step_s"] for r in rows]))
+    stepped = [f["compile_steps"] for f in finals if f.get("compile_steps")]
+    if stepped:
+        eager = statistics.median(min(t["eager_s"]) for t in stepped)
+        compiled = statistics.median(min(t["compiled_s"]) for t in stepped)
+        out["measured_step_speedup"] = eager / compiled
+        out["measured_saving_s_per_step"] = eager - compiled
+        if c.block_compute_s > 0:
+            out["measured_speedup"] = speedup_from_saving(c.block_compute_s, eager - compiled)
+    if "measured_speedup" in out:
+        out["measured_speedup_from"] = "steps" if stepped and c.block_compute_s > 0 else "passes"
     if len(rows) > 1:
         out["cache"] = [f.get("compile_cache") for f in finals]
     return out
@@ -87,7 +101,7 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
 def compile_gain(plan: Plan, record: dict[str, Any]) -> CompileGain | None:
     """The compile figure a later plan of this model can price `auto` with (calibration.json),
     where this run measured one."""
-    if "measured_speedup" not in record:
+    if "measured_speedup" not in record or "measured_compile_s" not in record:
         return None
     m = plan.model
     return CompileGain(model=m.name, block_class=m.block_class, params=m.params,
@@ -103,7 +117,12 @@ def save_compile_gain(run: RunDir, plan: Plan, record: dict[str, Any]) -> str | 
     path = run.path / CALIBRATION_FILE
     existing = json.loads(path.read_text()) if path.is_file() else None
     run.write_json(CALIBRATION_FILE, with_compile_gain(existing, gain))
-    return (f"compile: the blocks ran {gain.speedup:.2f}x as fast compiled and compiling took {gain.compile_s:.1f} s; "
+    if record.get("measured_speedup_from") == "steps":
+        steps = (f"steps ran {record['measured_step_speedup']:.2f}x as fast with the blocks compiled "
+                 f"({record['measured_saving_s_per_step'] * 1e3:.1f} ms saved a step)")
+    else:
+        steps = f"the blocks ran {gain.speedup:.2f}x as fast compiled"
+    return (f"compile: {steps} and compiling took {gain.compile_s:.1f} s; "
             f"parallel.calibration={run.path} prices train.compile=auto with it")
 
 

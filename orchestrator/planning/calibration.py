@@ -66,9 +66,16 @@ def block_speedup(eager_s: float, compiled_s: float, block_share: float) -> floa
     if eager_s <= 0 or compiled_s <= 0 or not 0 < block_share <= 1:
         raise ValueError(f"need positive pass times and a block share in (0, 1], got {eager_s}, {compiled_s}, "
                          f"{block_share}")
-    blocks = eager_s * block_share
-    # A difference larger than the blocks' own time is timing noise on a tiny block: capped.
-    return blocks / max(blocks - (eager_s - compiled_s), blocks / MAX_SPEEDUP)
+    return speedup_from_saving(eager_s * block_share, eager_s - compiled_s)
+
+
+def speedup_from_saving(block_s: float, saving_s: float) -> float:
+    """The speedup of blocks that take `block_s` eager which saves `saving_s` (below 1 where
+    compiled ran slower): `compile.block_saving_s` turns it back into that saving."""
+    if block_s <= 0:
+        raise ValueError(f"need the blocks' positive eager seconds, got {block_s}")
+    # A saving as large as the blocks' own time is timing noise on a tiny block: capped.
+    return block_s / max(block_s - saving_s, block_s / MAX_SPEEDUP)
 
 
 MAX_SPEEDUP = 10.0

@@ -70,6 +70,10 @@ class CompilePlan:
     measured: bool = False
     """Priced from a gain this model's compiled run measured (a calibration): the runtime then
     compiles without timing the gain again, which would cost the run a dozen passes."""
+    block_compute_s: float = 0.0
+    """The predicted seconds per step the blocks take eager on one rank: what a saving a run
+    measures is a speedup of (`calibration.speedup_from_saving`), so that a later plan of the
+    same step prices that very saving back."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,7 +82,8 @@ class CompilePlan:
     def from_dict(cls, d: dict[str, Any]) -> "CompilePlan":
         return cls(enabled=bool(d["enabled"]), requested=str(d["requested"]), compile_s=float(d["compile_s"]),
                    saving_s_per_step=float(d["saving_s_per_step"]), steps=int(d["steps"]), reason=str(d["reason"]),
-                   block_share=float(d.get("block_share", 1.0)), measured=bool(d.get("measured", False)))
+                   block_share=float(d.get("block_share", 1.0)), measured=bool(d.get("measured", False)),
+                   block_compute_s=float(d.get("block_compute_s", 0.0)))
 
 
 EAGER = CompilePlan(enabled=False, requested="false", compile_s=0.0, saving_s_per_step=0.0, steps=0,

@@ -551,7 +551,8 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
     # the saving, which the run's length outweighs or not by far more.
     share = block_share(shape, ctx.global_batch, str(e.choice.recompute))
     compiled = replace(decide(str(cfg.train.compile), ctx.device, e.compute_s * share, cfg.train.max_steps,
-                              spec.graph_break if spec else None, gain, ctx.calibration.source), block_share=share)
+                              spec.graph_break if spec else None, gain, ctx.calibration.source), block_share=share,
+                       block_compute_s=e.compute_s * share)
     return Plan(
         model=model,
         strategy=e.choice.strategy,

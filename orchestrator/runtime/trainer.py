@@ -47,6 +47,11 @@ only once, so the baseline costs a start or restart at most about two passes (fo
 COMPILE_PASSES = 3
 """Passes a start with compiled blocks times each way (compiled, eager) to measure the gain:
 one of each alone is within the host's spread of a few percent."""
+COMPILE_GAIN_STEPS = range(2, 10)
+"""The optimizer steps (counted from 0) a compiled run times to measure what compiling gains a
+whole step: the even ones train with the blocks eager, each beside the compiled step after it,
+so the host's drift hits both kinds. Fixed step numbers, so a run that restarts inside them
+trains each of them as the uninterrupted run did."""
 
 
 @dataclass
@@ -136,6 +141,12 @@ class Trainer:
         self.compile_times: dict[str, float] | None = None
         """Compiled blocks only: what compiling took, the compute-only pass compiled, and eager
         where the gain was timed (`calibrate_compute`)."""
+        gain = self.compiled and not plan.compile.measured and t.max_steps >= COMPILE_GAIN_STEPS.stop
+        self._gain_steps = COMPILE_GAIN_STEPS if gain else range(0)
+        self.compile_steps: dict[str, list[float]] = {"eager_s": [], "compiled_s": []}
+        """The seconds of the steps of COMPILE_GAIN_STEPS this rank trained, by how its blocks
+        ran; empty where the gain is not timed (eager, a plan priced from a measured gain, a run
+        shorter than those steps)."""
         self.applied = 0
         """Optimizer steps the model's state has applied (a step's update counts once made)."""
 
@@ -353,6 +364,17 @@ class Trainer:
         return total
 
     def train_step(self, step: int) -> StepResult:
+        """One optimizer step; within COMPILE_GAIN_STEPS every other one with the blocks eager,
+        its time kept in `compile_steps`."""
+        if step not in self._gain_steps:
+            return self._train_step(step)
+        eager = (step - self._gain_steps.start) % 2 == 0
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+            res = self._train_step(step)
+        self.compile_steps["eager_s" if eager else "compiled_s"].append(res.step_s)
+        return res
+
+    def _train_step(self, step: int) -> StepResult:
         t = self.cfg.train
         t0 = time.perf_counter()
         # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run

@@ -549,7 +549,8 @@ class Worker:
         return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes(),
                 "memory": asdict(memory_use(tr.device, self.memory_baseline)),
                 "overhead_s_per_step": overhead_s / max(1, end - start),
-                "compile_cache": cache_counters() if tr.compiled else None}
+                "compile_cache": cache_counters() if tr.compiled else None,
+                "compile_steps": tr.compile_steps if all(tr.compile_steps.values()) else None}
 
     def _committed(self, path: str, step: int, outbox: Outbox) -> None:
         if self.rank == 0:
