@@ -255,6 +255,15 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
               "compile": {"enabled": False}}]
     r = runtime_overhead.summarize(runs)["ratios"]
     assert r["wall_auto_over_eager"] == pytest.approx(1.0) and r["auto_compiled_launches"] == 1
+    # A long run of only the launchers it is about (--launchers): no Ray Train, no figures against it.
+    short = runtime_overhead.summarize([r for r in runs if r["launcher"] != "ray_train"])
+    assert "throughput_ours_over_ray_train" not in short["ratios"] and "throughput_vs_ray_train" not in short["goals"]
+    assert short["ratios"]["wall_auto_over_eager"] == pytest.approx(1.0)
+
+
+def test_runtime_overhead_refuses_auto_without_the_compiled_launch_it_plans_from():
+    with pytest.raises(SystemExit, match="add ours_compiled"):
+        runtime_overhead.main(["--launchers", "ours_auto"])
 
 
 def test_cpu_split_charges_the_busiest_processes_to_the_ranks_and_names_the_rest(monkeypatch):
