@@ -332,6 +332,7 @@ def test_submit_cli_end_to_end(tmp_path):
     # The start-up breakdown begins where the user's wait does: with Ray's own start.
     startup = summary["startup"]
     assert next(iter(startup)) == "ray_start_s"
+    assert "measure_s" not in startup  # the built-in GPT is priced from its config, not measured
     assert 0 < startup["ray_start_s"] < startup["total_s"]
     assert startup["total_s"] >= sum(v for k, v in startup.items() if k.endswith("_s") and k != "total_s") - 0.5
 

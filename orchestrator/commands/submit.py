@@ -162,8 +162,10 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
                 with contextlib.suppress(OSError):  # another submit's run may be in it by now
                     run_dir.path.parent.rmdir()
             raise
-        # What start-up waited for: the connection, then what measuring the model took longer.
-        ray_start_s, measure_s = t_measured - t_ray, time.monotonic() - t_measured
+        # What start-up waited for: the connection, then what measuring the model took longer
+        # (nothing for the built-in GPT, which is priced from its config: spec None).
+        ray_start_s = t_measured - t_ray
+        measure_s = time.monotonic() - t_measured if spec is not None else 0.0
         stop_on_sigterm()  # again: ray.init replaced it with Ray's own
         console.print(f"{RUN_DIR_LINE}{run_dir.path}", markup=False)
         with WorkerLogs(run_dir, console, verbose=verbose):
