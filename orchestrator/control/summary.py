@@ -81,6 +81,7 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
             compiled = statistics.median(t["compiled_s"] for t in timed)
             out["measured_pass_speedup"] = eager / compiled
             out["measured_speedup"] = block_speedup(eager, compiled, c.block_share)
+            out["measured_speedup_from"] = "passes"
     elif len(rows) > 1:
         out["measured_compile_s"] = max(0.0, rows[0]["step_s"] - steady_mean([r["step_s"] for r in rows]))
     stepped = [f["compile_steps"] for f in finals if f.get("compile_steps")]
@@ -91,8 +92,7 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
         out["measured_saving_s_per_step"] = eager - compiled
         if c.block_compute_s > 0:
             out["measured_speedup"] = speedup_from_saving(c.block_compute_s, eager - compiled)
-    if "measured_speedup" in out:
-        out["measured_speedup_from"] = "steps" if stepped and c.block_compute_s > 0 else "passes"
+            out["measured_speedup_from"] = "steps"
     if len(rows) > 1:
         out["cache"] = [f.get("compile_cache") for f in finals]
     return out
