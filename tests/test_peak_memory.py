@@ -28,8 +28,29 @@ def test_a_cpu_rank_reports_its_peak_resident_memory_above_the_baseline():
     assert use["source"] == "rss" and use["peak_reserved_bytes"] is None
     grown = use["peak_bytes"] - use["baseline_bytes"]
     # The freed tensor still counts: a high-water mark, not the resident set at the end.
-    assert 0.95 * (256 << 20) < grown < 2 * (256 << 20)
+    assert 0.95 * (256 << 20) < grown < 2 * (256 << 20), use
     assert use["baseline_bytes"] > 50 << 20  # the interpreter and torch, which the plan leaves out
+
+
+_EARLIER_PEAK = r"""
+import json, torch
+from orchestrator.runtime.worker import memory_baseline, memory_use
+cpu = torch.device("cpu")
+y = torch.ones(128 << 20)  # 512 MiB touched and released before the baseline, as a warm-up might
+del y
+base = memory_baseline(cpu)
+x = torch.ones(16 << 20)  # 64 MiB after it
+del x
+print(json.dumps(memory_use(cpu, base).__dict__))
+"""
+
+
+def test_what_a_rank_released_before_its_baseline_is_not_counted_as_its_peak():
+    out = subprocess.run([sys.executable, "-c", _EARLIER_PEAK], capture_output=True, text=True, check=True,
+                         timeout=120)
+    use = json.loads(out.stdout.strip().splitlines()[-1])
+    grown = use["peak_bytes"] - use["baseline_bytes"]
+    assert 0.95 * (64 << 20) < grown < 2 * (64 << 20), use
 
 
 def _finals(*grown: int, base: int = 300 << 20) -> list[dict]:

@@ -121,12 +121,26 @@ def _peak_resident_bytes() -> int:
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
+def _forget_resident_peak() -> None:
+    # Whatever the process touched and released before now (an import, a loader's warm-up) would
+    # otherwise stay in the high-water mark and count as the model's. Writing 5 to clear_refs
+    # (Linux 4.0 and later) resets the mark to the current resident set; elsewhere the mark stays.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def memory_baseline(device) -> int:
-    """Bytes this rank holds now, before its model exists: what `memory_use` subtracts."""
+    """Bytes this rank holds now, before its model exists: what `memory_use` subtracts. The peak
+    `memory_use` reports counts from here on."""
     import torch
 
     if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
         return int(torch.cuda.memory_allocated(device))
+    _forget_resident_peak()
     return _resident_bytes()
 
 
