@@ -8,7 +8,8 @@
    the kill to its detection, where the state came from (the survivors' memory under DDP, or
    a checkpoint) and the steps trained again, and the restart record's breakdown (detection,
    teardown, probe, plan, placement, actor start, process group, model build, state restore,
-   first step).
+   first step). Then rank 1 stopped (SIGSTOP) half-way: a hang, found by the heartbeat
+   (`elastic.silent_after_s`), its extra wall time counted the same way.
    Goal: keeping the survivors, <= 10 s at 8 ranks and flat in the rank count.
 2. 3 nodes of 2 GPUs with global batch 18: one node removed half-way (its 2 ranks die, and the 4
    survivors do not divide 18); the world sizes before and after, the global batch every plan
@@ -65,14 +66,15 @@ def _run(runs: Path, steps: int, batch: int, chaos=None, extra: tuple[str, ...] 
             "plan": json.loads((run.path / "plan.json").read_text())}
 
 
-def _kill_rank(rank: int, at: int):
+def _strike_rank(rank: int, at: int, sig: int = signal.SIGKILL):
+    """At step `at`, send `sig` to rank `rank`: SIGKILL a death, SIGSTOP a hang."""
     def chaos(run: Path) -> dict:
         while _last_step(run) < at:
             time.sleep(0.05)
         place = json.loads((run / "placement.json").read_text())
         t = time.time()
-        os.kill(place[rank]["pid"], signal.SIGKILL)
-        return {"killed_at": t, "rank": rank}
+        os.kill(place[rank]["pid"], sig)
+        return {"struck_at": t, "rank": rank, "pid": place[rank]["pid"]}
     return chaos
 
 
@@ -117,27 +119,34 @@ def _killed(base: dict, hit: dict) -> dict:
                          "give it more --steps")
     r = hit["summary"]["restarts"][0]
     return {"wall_s": hit["wall_s"], "restart_cost_s": hit["wall_s"] - base["wall_s"],
-            "detect_s": r["detected_unix_s"] - hit["did"]["killed_at"], "blamed_ranks": r["ranks"],
+            "detect_s": r["detected_unix_s"] - hit["did"]["struck_at"], "blamed_ranks": r["ranks"],
             "steps_lost": r["steps_lost"], "recovery": r.get("recovery"), "breakdown": r.get("breakdown"),
             "every_step_finished": hit["steps"] == base["steps"]}
 
 
 def _kill_runs(tmp: Path, ranks: int, steps: int) -> dict:
     """Uninterrupted, then rank `ranks - 1` killed keeping the survivors, then killed with a
-    whole-world restart, on one cluster of `ranks / 4` nodes."""
+    whole-world restart, then rank 1 stopped (a hang), on one cluster of `ranks / 4` nodes."""
     import ray
 
     cluster, _ = _cluster(ranks // 4, 4, {"ORCHESTRATOR_TOPOLOGY_FILE": str(CAPTURE)})
+    hang: dict = {}
     try:
         base = _run(tmp / f"{ranks}-a", steps, 32)
-        kept = _run(tmp / f"{ranks}-b", steps, 32, _kill_rank(ranks - 1, steps // 2))
-        full = _run(tmp / f"{ranks}-c", steps, 32, _kill_rank(ranks - 1, steps // 2),
+        kept = _run(tmp / f"{ranks}-b", steps, 32, _strike_rank(ranks - 1, steps // 2))
+        full = _run(tmp / f"{ranks}-c", steps, 32, _strike_rank(ranks - 1, steps // 2),
                     ("elastic.keep_survivors=false",))
+        hang = _run(tmp / f"{ranks}-d", steps, 32, _strike_rank(1, steps // 2, signal.SIGSTOP))
     finally:
+        if hang.get("did"):  # never leave a stopped process behind (recovery kills it; this makes sure)
+            try:
+                os.kill(hang["did"]["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         ray.shutdown()
         cluster.shutdown()
     return {"ranks": ranks, "uninterrupted_s": base["wall_s"], "keep_survivors": _killed(base, kept),
-            "full_restart": _killed(base, full)}
+            "full_restart": _killed(base, full), "hang": _killed(base, hang)}
 
 
 def _parts(breakdown: dict | None) -> str:
@@ -177,15 +186,15 @@ def main(argv=None) -> None:
             "blamed_ranks": lr["ranks"], "wall_s": lost["wall_s"], "recovery": lr.get("recovery")}
     rows = []
     for k in kills:
-        for mode in ("keep_survivors", "full_restart"):
+        for mode in ("keep_survivors", "full_restart", "hang"):
             m = k[mode]
             state = (m["recovery"] or {}).get("state_from", "checkpoint")
             rows.append((k["ranks"], mode.replace("_", " "), f"{k['uninterrupted_s']:.1f} s",
                          f"{m['restart_cost_s']:+.1f} s", str(m["blamed_ranks"]), f"{m['detect_s']:.2f} s",
                          state, m["steps_lost"],
                          f"{m['breakdown']['total_s']:.1f} s" if m["breakdown"] else "-", _parts(m["breakdown"])))
-    print_table(f"kill -9 of the last rank half-way, nodes of 4 fake GPUs, {steps} steps",
-                ["ranks", "recovery", "uninterrupted", "extra wall", "blamed", "kill to detection",
+    print_table(f"kill -9 of the last rank half-way (hang: SIGSTOP of rank 1), nodes of 4 fake GPUs, {steps} steps",
+                ["ranks", "recovery", "uninterrupted", "extra wall", "blamed", "strike to detection",
                  "state from", "steps lost", "restart to first step", "parts (s)"], rows)
     print_table(f"one of 3 nodes lost, global batch 18, {steps} steps",
                 ["world before", "world after", "global batch after", "every step finished", "blamed ranks"],

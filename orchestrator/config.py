@@ -250,6 +250,10 @@ class ElasticConfig:
     hang_floor_s: float = 300.0
     """Shortest wait for a step before the run counts as hung, seconds: covers the first step's
     warm-up, evaluation and checkpoint writes, which report no step while they run."""
+    silent_after_s: float = 5.0
+    """A rank whose control thread (which answers while it trains) has not answered for this
+    long, while no step finished, hangs at once without waiting for the step-based timeout: a
+    stopped or frozen process, or one holding the GIL. Seconds; 0 leaves hangs to hang_factor."""
     keep_survivors: bool = True
     """After a failure, keep every healthy rank's process (imports, device context) and replace
     only the dead or hung ranks on their own devices, when the world is unchanged, restoring
@@ -449,6 +453,7 @@ def validate(cfg: JobConfig) -> None:
     _positive(cfg.elastic.min_workers, "elastic.min_workers")
     _positive(cfg.elastic.max_workers, "elastic.max_workers", allow_zero=True)
     _positive(cfg.elastic.leave_timeout_s, "elastic.leave_timeout_s")
+    _positive(cfg.elastic.silent_after_s, "elastic.silent_after_s", allow_zero=True)
     if cfg.elastic.max_workers and cfg.elastic.max_workers < cfg.elastic.min_workers:
         raise ConfigError(
             f"key 'elastic.max_workers': must be 0 or >= elastic.min_workers ({cfg.elastic.min_workers}), "

@@ -1,9 +1,15 @@
-"""The straggler report and the hang timeout, from numbers alone."""
+"""The straggler report and the hang timeout, from numbers alone; blame, from real actors."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import pytest
+
 from orchestrator.control.straggler import StragglerTracker, describe
-from orchestrator.control.supervise import hang_timeout_s
+from orchestrator.control.supervise import Heartbeat, _node_may_be_going, blame, dead_from_futures, hang_timeout_s
 
 
 def test_the_rank_whose_own_work_is_over_1_3x_the_median_is_named_with_its_node():
@@ -31,3 +37,86 @@ def test_hang_timeout_is_k_times_the_predicted_step_but_never_below_the_floor():
     assert hang_timeout_s(2.0, 20.0, 60.0) == 60.0
     assert hang_timeout_s(10.0, 20.0, 60.0) == 200.0
     assert hang_timeout_s(None, 20.0, 60.0) == 60.0
+
+
+@pytest.fixture
+def local_ray():
+    import ray
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _ranks(ray, n: int) -> list:
+    @ray.remote(num_cpus=1, concurrency_groups={"control": 1})
+    class Rank:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def train(self) -> None:
+            time.sleep(600)
+
+        @ray.method(concurrency_group="control")
+        def alive(self) -> bool:
+            return True
+
+    return [Rank.remote() for _ in range(n)]
+
+
+def test_a_killed_rank_alone_is_blamed_without_waiting_for_a_node_to_go(local_ray):
+    ray = local_ray
+    actors = _ranks(ray, 3)
+    pids = ray.get([a.pid.remote() for a in actors])
+    futures = [a.train.remote() for a in actors]
+    os.kill(pids[1], signal.SIGKILL)
+    errors = {}
+    try:
+        ray.get(futures[1], timeout=60)
+    except Exception as e:  # noqa: BLE001 - what the driver's wait on the futures gets
+        errors[1] = e
+    known = dead_from_futures(errors)
+    assert list(known) == [1]
+    # Its raylet reported the death, so no node is going: the pause that would let a lost node's
+    # workers exit is not taken (a minute here, were it taken).
+    t = time.monotonic()
+    who = blame(actors, known, settle_s=60.0)
+    assert time.monotonic() - t < 30.0
+    assert who.dead == [1] and who.silent == []
+    # Asked with nothing known, the dead rank's own answer says the same.
+    t = time.monotonic()
+    assert blame(actors, settle_s=60.0).ranks == [1]
+    assert time.monotonic() - t < 30.0
+
+
+def test_a_failure_that_may_be_a_lost_node_waits_before_asking_again():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    unavailable = ActorUnavailableError("the actor is temporarily unavailable: RpcError: failed to connect", None)
+    node_died = ActorDiedError()
+    node_died.error_msg = "The actor is dead because its node has died. Node Id: 6c68"
+    assert _node_may_be_going({})  # a rank raised because a peer vanished: whose node may be going
+    assert _node_may_be_going({2: unavailable})
+    assert _node_may_be_going({2: node_died})
+
+
+def test_the_heartbeat_names_a_stopped_rank_and_neither_the_busy_nor_the_dead(local_ray):
+    ray = local_ray
+    actors = _ranks(ray, 3)
+    pids = ray.get([a.pid.remote() for a in actors])
+    for a in actors:
+        a.train.remote()  # every rank busy in its step: the control thread answers beside it
+    beat = Heartbeat(actors, silent_after_s=2.0, every_s=0.2)
+    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        seen = []
+        while not seen and time.monotonic() - t < 60:
+            seen = beat.silent()
+            time.sleep(0.1)
+        assert seen == [2]
+        assert time.monotonic() - t >= 2.0  # not before it had been silent that long
+        assert beat.silent() == [2]  # still silent, and the others still answering
+    finally:
+        os.kill(pids[2], signal.SIGKILL)

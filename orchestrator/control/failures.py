@@ -13,6 +13,9 @@ from typing import Any
 from . import supervise
 from .rundir import RunDir
 
+SILENT_STACKS_WAIT_S = 2.0
+"""How long the stacks of a hang found by silent ranks wait for the answering ranks' stacks."""
+
 
 def now(t: float | None = None) -> str:
     """A local timestamp as summary.json writes them."""
@@ -78,9 +81,10 @@ def _nodes_of(placement, ranks: list[int]) -> list[str]:
     return sorted({placement.reports[r]["node_id"] for r in ranks}) if placement.reports else []
 
 
-def raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> None:
+def raise_failure(err: Exception, placement, known_dead: dict[int, Exception] | None = None) -> None:
     """Turn a rank's error into a WorkerFailure naming only the ranks whose actors are dead
-    (or no longer answer): survivors stuck in a collective behind them are not failed."""
+    (or no longer answer): survivors stuck in a collective behind them are not failed.
+    `known_dead`: ranks whose own futures said they died, with what they said."""
     detected = time.time()
     node_of = [r["node_id"] for r in placement.reports] if placement.reports else None
     dead = supervise.blame(placement.actors, known_dead, node_of).ranks
@@ -90,10 +94,16 @@ def raise_failure(err: Exception, placement, known_dead: list[int] = ()) -> None
     raise WorkerFailure(f"{kind}: {detail}", dead, _nodes_of(placement, dead), detected) from err
 
 
-def raise_hang(run: RunDir, placement, timeout_s: float, step: int) -> None:
-    """No step finished for `timeout_s`: save every rank's stacks, blame the silent ones."""
+def raise_hang(run: RunDir, placement, timeout_s: float, step: int, silent: list[int] | None = None) -> None:
+    """No step finished for `timeout_s`, or (`silent`) these ranks' control threads have not
+    answered for `timeout_s` while no step finished: save every rank's stacks, blame the
+    silent ones."""
     detected = time.time()
     folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
-    who = supervise.save_stacks(placement.actors, run.path / folder)
-    raise WorkerFailure(f"hang: no step finished within {timeout_s:.0f} s after step {step}; stacks in {folder}",
-                        who.ranks, _nodes_of(placement, who.ranks), detected, folder)
+    # The ranks already known silent are not waited for again: the others answer at once.
+    wait_s = SILENT_STACKS_WAIT_S if silent else supervise.PING_TIMEOUT_S
+    who = supervise.save_stacks(placement.actors, run.path / folder, wait_s)
+    what = (f"rank(s) {silent} did not answer for {timeout_s:g} s and no step finished after step {step}" if silent
+            else f"no step finished within {timeout_s:.0f} s after step {step}")
+    raise WorkerFailure(f"hang: {what}; stacks in {folder}", who.ranks, _nodes_of(placement, who.ranks), detected,
+                        folder)

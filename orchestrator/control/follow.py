@@ -103,6 +103,7 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
     # The first step of compiled blocks compiles them: its predicted cost is allowed on top.
     watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.run_step_s, e.hang_factor, e.hang_floor_s)
                                   + plan.compile.compile_s)
+    heartbeat = supervise.Heartbeat(actors, e.silent_after_s) if e.silent_after_s else None
     report = LiveReport(run, lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}"))
     t_follow = time.monotonic()
     view = ProgressView(cfg.train.max_steps, console, cfg.monitor.progress)
@@ -145,6 +146,11 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                     raise Regrow(devices_at_plan, now, saved[-1][1], saved[-1][0])
                 if watchdog.hung():
                     raise_hang(run, placement, watchdog.timeout_s, state.last_step)
+                # A rank that stopped answering stalls the group at its next collective: once no
+                # step has finished for as long, it is hung, whatever the step timeout says.
+                if (heartbeat is not None and (silent := heartbeat.silent())
+                        and watchdog.quiet_s() >= e.silent_after_s):
+                    raise_hang(run, placement, e.silent_after_s, state.last_step, silent)
         return ray.get(refs)
     except WorkerFailure as f:
         f.train_refs = refs  # the survivors' steps, which end once they leave the broken group

@@ -25,8 +25,8 @@ full only when some rank is stopped or unreachable, and once for all ranks."""
 
 
 SETTLE_S = 1.0
-"""Pause between the two liveness questions: long enough for a worker whose node has just
-gone to notice and exit, short beside any restart."""
+"""Pause between the two liveness questions, where a node may be going: long enough for a
+worker whose node has just gone to notice and exit."""
 
 
 @dataclass(frozen=True)
@@ -46,37 +46,52 @@ def hang_timeout_s(predicted_step_s: float | None, factor: float, floor_s: float
     return max(floor_s, factor * (predicted_step_s or 0.0))
 
 
-def dead_from_futures(errors: dict[int, Exception]) -> list[int]:
-    """Ranks whose own train future says their actor died (not a rank that raised)."""
-    return sorted(r for r, e in errors.items() if isinstance(e, RayActorError))
+def dead_from_futures(errors: dict[int, Exception]) -> dict[int, Exception]:
+    """The ranks whose own train future says their actor died (not a rank that raised), with
+    what it said."""
+    return {r: e for r, e in sorted(errors.items()) if isinstance(e, RayActorError)}
 
 
-def _ping(actors: list[Any], skip: set[int], timeout_s: float) -> tuple[set[int], set[int]]:
-    """(dead, silent) among the ranks not in `skip`, from one wait for all of them."""
+WORKER_DIED_ON_A_LIVE_NODE = "because its worker process has died"
+"""How Ray's GCS words an actor's death that its node's raylet reported (a killed or crashed
+process); a lost node's actors die "because its node has died", or go unavailable."""
+
+
+def _ping(actors: list[Any], skip: set[int], timeout_s: float) -> tuple[dict[int, Exception], set[int]]:
+    """(dead with their errors, silent) among the ranks not in `skip`, from one wait for all."""
     refs = {a.alive.remote(): rank for rank, a in enumerate(actors) if rank not in skip}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-    dead = set()
+    dead = {}
     for ref in ready:
         try:
             ray.get(ref)
-        except Exception:
-            dead.add(refs[ref])
+        except Exception as e:  # noqa: BLE001 - whatever it raised, it did not answer alive
+            dead[refs[ref]] = e
     return dead, set(refs.values()) - {refs[r] for r in ready}
 
 
-def blame(actors: list[Any], known_dead: list[int] = (), node_of: list[str] | None = None,
+def _node_may_be_going(dead: dict[int, Exception]) -> bool:
+    """Whether a rank that answered may yet die with its node: unless every dead rank is known
+    to have died alone (its raylet, alive, reported its process's death), a node may be going."""
+    return not dead or not all(isinstance(e, RayActorError) and WORKER_DIED_ON_A_LIVE_NODE in str(e)
+                               for e in dead.values())
+
+
+def blame(actors: list[Any], known_dead: dict[int, Exception] | None = None, node_of: list[str] | None = None,
           timeout_s: float = PING_TIMEOUT_S, settle_s: float = SETTLE_S) -> Blame:
     """Ask every actor, all at once, whether it is alive: one wait for all of them, not one
     timeout per rank. Asked twice, `settle_s` apart: a worker whose node's raylet has just died
-    can still answer once before it exits. Ranks on nodes Ray reports dead (`node_of[rank]`)
-    are dead whatever they answered."""
-    dead = set(known_dead)
-    more, silent = _ping(actors, dead, timeout_s)
-    dead |= more
-    time.sleep(settle_s)
-    more, later = _ping(actors, dead | silent, timeout_s)
-    dead |= more
-    silent |= later
+    can still answer once before it exits. Where every dead rank's own raylet reported its
+    process's death, no node is going and the second question is not asked. Ranks on nodes
+    Ray reports dead (`node_of[rank]`) are dead whatever they answered."""
+    known_dead = known_dead or {}
+    died, silent = _ping(actors, set(known_dead), timeout_s)
+    dead = set(known_dead) | set(died)
+    if _node_may_be_going({**known_dead, **died}):
+        time.sleep(settle_s)
+        more, later = _ping(actors, dead | silent, timeout_s)
+        dead |= set(more)
+        silent |= later
     if node_of:
         gone = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
         dead |= {r for r, node in enumerate(node_of) if node in gone} - silent
@@ -117,4 +132,38 @@ class Watchdog:
         self.last = time.monotonic()
 
     def hung(self) -> bool:
-        return time.monotonic() - self.last > self.timeout_s
+        return self.quiet_s() > self.timeout_s
+
+    def quiet_s(self) -> float:
+        """Seconds since the group last made progress."""
+        return time.monotonic() - self.last
+
+
+class Heartbeat:
+    """Asks every rank's control thread whether it is alive, one question outstanding per rank,
+    and says which have left theirs unanswered for `silent_after_s`: stopped, frozen, or a
+    process holding the GIL, which only the step-based hang timeout would catch otherwise.
+    A rank whose actor is gone answers with an error and is left to its train future."""
+
+    def __init__(self, actors: list[Any], silent_after_s: float, every_s: float = 1.0) -> None:
+        self.actors, self.silent_after_s, self.every_s = actors, silent_after_s, every_s
+        self.asked: dict[Any, tuple[int, float]] = {}
+        """Each outstanding question: (rank, when it was asked)."""
+        self.answered = [float("-inf")] * len(actors)
+        """When each rank's last question was asked and then answered."""
+
+    def silent(self) -> list[int]:
+        """The ranks whose question has waited `silent_after_s` or more; asks again those that
+        answered their last one `every_s` ago."""
+        now = time.monotonic()
+        if self.asked:
+            ready, _ = ray.wait(list(self.asked), num_returns=len(self.asked), timeout=0)
+            for ref in ready:
+                rank, _when = self.asked.pop(ref)
+                self.answered[rank] = now
+        waiting = {rank for rank, _ in self.asked.values()}
+        for rank, actor in enumerate(self.actors):
+            if rank not in waiting and now - self.answered[rank] >= self.every_s:
+                self.asked[actor.alive.remote()] = (rank, now)
+        return sorted(rank for rank, when in self.asked.values() if now - when >= self.silent_after_s)
+
