@@ -120,3 +120,39 @@ def test_the_heartbeat_names_a_stopped_rank_and_neither_the_busy_nor_the_dead(lo
         assert beat.silent() == [2]  # still silent, and the others still answering
     finally:
         os.kill(pids[2], signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] in ("Z", "X")  # dead, awaiting its reaper
+    except FileNotFoundError:
+        return True
+
+
+def test_a_rank_kills_a_stopped_peer_at_once_and_nothing_that_is_not_a_worker(local_ray):
+    import subprocess
+
+    from orchestrator.runtime.worker import Worker
+
+    ray = local_ray
+    ranks = [Worker.options(num_cpus=1).remote(r, 2, r, 1) for r in range(2)]
+    pids = [rep["pid"] for rep in ray.get([a.report.remote() for a in ranks])]
+    bystander = subprocess.Popen(["sleep", "120"])
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        # Not one of the job's workers: left alone, whatever pid the driver passed.
+        assert ray.get(ranks[0].kill_peer.remote(bystander.pid), timeout=30) is False
+        assert bystander.poll() is None
+        assert ray.get(ranks[0].kill_peer.remote(pids[1]), timeout=30) is True
+        t = time.monotonic()
+        while time.monotonic() - t < 5 and not _gone(pids[1]):
+            time.sleep(0.05)
+        assert _gone(pids[1])  # at once, not after Ray's kill timeout
+    finally:
+        bystander.kill()
+        for pid in pids[1:]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

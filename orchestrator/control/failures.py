@@ -13,7 +13,7 @@ from typing import Any
 from . import supervise
 from .rundir import RunDir
 
-SILENT_STACKS_WAIT_S = 2.0
+SILENT_STACKS_WAIT_S = 1.0
 """How long the stacks of a hang found by silent ranks wait for the answering ranks' stacks."""
 
 
@@ -32,9 +32,11 @@ class WorkerFailure(Exception):
     """A worker actor died or a rank raised while training."""
 
     def __init__(self, reason: str, ranks: list[int], nodes: list[str], detected_unix_s: float | None = None,
-                 stacks: str | None = None) -> None:
+                 stacks: str | None = None, silent: list[int] | None = None) -> None:
         super().__init__(reason)
         self.reason, self.ranks, self.nodes = reason, ranks, nodes
+        self.silent = silent or []
+        """The blamed ranks that are alive but did not answer (stopped, frozen), not gone."""
         self.detected_unix_s = detected_unix_s or time.time()
         """When the driver saw the failure (before asking who is to blame)."""
         self.detected_at = now(self.detected_unix_s)
@@ -87,11 +89,13 @@ def raise_failure(err: Exception, placement, known_dead: dict[int, Exception] | 
     `known_dead`: ranks whose own futures said they died, with what they said."""
     detected = time.time()
     node_of = [r["node_id"] for r in placement.reports] if placement.reports else None
-    dead = supervise.blame(placement.actors, known_dead, node_of).ranks
+    who = supervise.blame(placement.actors, known_dead, node_of)
+    dead = who.ranks
     kind = "worker died" if dead else "rank raised"
     lines = str(err).strip().splitlines()
     detail = next((ln for ln in reversed(lines) if ln.strip()), type(err).__name__)[:200]
-    raise WorkerFailure(f"{kind}: {detail}", dead, _nodes_of(placement, dead), detected) from err
+    raise WorkerFailure(f"{kind}: {detail}", dead, _nodes_of(placement, dead), detected,
+                        silent=who.silent) from err
 
 
 def raise_hang(run: RunDir, placement, timeout_s: float, step: int, silent: list[int] | None = None) -> None:
@@ -106,4 +110,4 @@ def raise_hang(run: RunDir, placement, timeout_s: float, step: int, silent: list
     what = (f"rank(s) {silent} did not answer for {timeout_s:g} s and no step finished after step {step}" if silent
             else f"no step finished within {timeout_s:.0f} s after step {step}")
     raise WorkerFailure(f"hang: {what}; stacks in {folder}", who.ranks, _nodes_of(placement, who.ranks), detected,
-                        folder)
+                        folder, who.silent)

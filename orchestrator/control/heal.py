@@ -46,6 +46,9 @@ def gone_node(failure: WorkerFailure) -> str | None:
     return f"node {lost[0][:12]} is gone: its ranks cannot be replaced on their own devices" if lost else None
 
 
+KILL_SILENT_WAIT_S = 2.0
+"""How long a survivor may take to kill a silent rank of its node; past it Ray's kill does."""
+
 STUCK_GRACE_S = 3.0
 """How long a survivor still in its step may go on waiting once no other survivor has left for
 as long: its collective waits on peers that have left, over connections that have not closed
@@ -61,6 +64,7 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
     survivors = [r for r in range(len(placement.actors)) if r not in failed]
     # A hung rank is alive: killing it closes its connections, ending its peers' waits. Its
     # replacement starts at once (process, imports, device), while the survivors leave.
+    _kill_silent(placement, failure.silent, survivors)
     placement.restart(sorted(failed))
     for r in survivors:  # NCCL waits end only by abort; it is harmless elsewhere
         placement.actors[r].abort_collectives.remote()
@@ -86,6 +90,21 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
     if len(died) == len(staying):
         return [], [], "no rank survived leaving the broken group"
     return sorted(failed | set(stuck) | set(died)), sorted(stuck), None
+
+
+def _kill_silent(placement, silent: list[int], survivors: list[int]) -> None:
+    """SIGKILL each silent rank's process from a survivor on its node, where there is one: Ray's
+    kill waits seconds for a stopped process to exit before it kills it (kill_worker_timeout)."""
+    if not placement.reports:
+        return
+    node = [rep["node_id"] for rep in placement.reports]
+    asks = []
+    for r in silent:
+        peer = next((s for s in survivors if node[s] == node[r]), None)
+        if peer is not None:
+            asks.append(placement.actors[peer].kill_peer.remote(placement.reports[r]["pid"]))
+    if asks:
+        ray.wait(asks, num_returns=len(asks), timeout=KILL_SILENT_WAIT_S)
 
 
 def _wait_to_leave(placement, rank_of: dict, timeout_s: float) -> tuple[list, list[int]]:

@@ -145,8 +145,11 @@ class Heartbeat:
     process holding the GIL, which only the step-based hang timeout would catch otherwise.
     A rank whose actor is gone answers with an error and is left to its train future."""
 
-    def __init__(self, actors: list[Any], silent_after_s: float, every_s: float = 1.0) -> None:
-        self.actors, self.silent_after_s, self.every_s = actors, silent_after_s, every_s
+    def __init__(self, actors: list[Any], silent_after_s: float, every_s: float | None = None) -> None:
+        # Once a second, or less often where that would be more than ~256 questions a second
+        # for the driver to send: silence counts from the question, so it is found as soon.
+        self.actors, self.silent_after_s = actors, silent_after_s
+        self.every_s = every_s if every_s is not None else max(1.0, len(actors) / 256)
         self.asked: dict[Any, tuple[int, float]] = {}
         """Each outstanding question: (rank, when it was asked)."""
         self.answered = [float("-inf")] * len(actors)
