@@ -9,7 +9,14 @@ import time
 import pytest
 
 from orchestrator.control.straggler import StragglerTracker, describe
-from orchestrator.control.supervise import Heartbeat, _node_may_be_going, blame, dead_from_futures, hang_timeout_s
+from orchestrator.control.supervise import (
+    Heartbeat,
+    _node_may_be_going,
+    blame,
+    dead_from_futures,
+    hang_timeout_s,
+    save_stacks,
+)
 
 
 def test_the_rank_whose_own_work_is_over_1_3x_the_median_is_named_with_its_node():
@@ -156,3 +163,21 @@ def test_a_rank_kills_a_stopped_peer_at_once_and_nothing_that_is_not_a_worker(lo
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_the_stacks_of_a_hang_wait_only_for_the_ranks_not_known_silent(local_ray, tmp_path):
+    from orchestrator.runtime.worker import Worker
+
+    ray = local_ray
+    ranks = [Worker.options(num_cpus=1).remote(r, 3, r, 1) for r in range(3)]
+    pids = [rep["pid"] for rep in ray.get([a.report.remote() for a in ranks])]
+    os.kill(pids[2], signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        who = save_stacks(ranks, tmp_path, timeout_s=60.0, silent=[2])
+        assert time.monotonic() - t < 30.0  # the stopped rank's minute is not waited out
+        assert who.silent == [2] and who.dead == []
+        assert "no answer" in (tmp_path / "rank_0002.txt").read_text()
+        assert (tmp_path / "rank_0000.txt").read_text().startswith(f"rank 0, pid {pids[0]}")
+    finally:
+        os.kill(pids[2], signal.SIGKILL)

@@ -13,9 +13,6 @@ from typing import Any
 from . import supervise
 from .rundir import RunDir
 
-SILENT_STACKS_WAIT_S = 1.0
-"""How long the stacks of a hang found by silent ranks wait for the answering ranks' stacks."""
-
 
 def now(t: float | None = None) -> str:
     """A local timestamp as summary.json writes them."""
@@ -105,8 +102,7 @@ def raise_hang(run: RunDir, placement, timeout_s: float, step: int, silent: list
     detected = time.time()
     folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
     # The ranks already known silent are not waited for again: the others answer at once.
-    wait_s = SILENT_STACKS_WAIT_S if silent else supervise.PING_TIMEOUT_S
-    who = supervise.save_stacks(placement.actors, run.path / folder, wait_s)
+    who = supervise.save_stacks(placement.actors, run.path / folder, supervise.PING_TIMEOUT_S, silent or [])
     what = (f"rank(s) {silent} did not answer for {timeout_s:g} s and no step finished after step {step}" if silent
             else f"no step finished within {timeout_s:.0f} s after step {step}")
     raise WorkerFailure(f"hang: {what}; stacks in {folder}", who.ranks, _nodes_of(placement, who.ranks), detected,

@@ -98,13 +98,18 @@ def blame(actors: list[Any], known_dead: dict[int, Exception] | None = None, nod
     return Blame(dead=sorted(dead), silent=sorted(silent))
 
 
-def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOUT_S) -> Blame:
+def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOUT_S,
+                silent: list[int] = ()) -> Blame:
     """Every answering rank's Python stacks (all threads, faulthandler) in out_dir/rank_NNNN.txt;
     a rank that cannot answer (stopped, gone) gets a file saying so. The same single wait says
-    who is to blame: the ranks whose actor is gone and those that did not answer."""
+    who is to blame: the ranks whose actor is gone and those that did not answer. The ranks
+    already known `silent` are not waited for: only taken if they answer by then."""
     out_dir.mkdir(parents=True, exist_ok=True)
     refs = {a.stacks.remote(): rank for rank, a in enumerate(actors)}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    others = [ref for ref, rank in refs.items() if rank not in silent]
+    late = [ref for ref, rank in refs.items() if rank in silent]
+    ready = ray.wait(others, num_returns=len(others), timeout=timeout_s)[0] if others else []
+    ready += ray.wait(late, num_returns=len(late), timeout=0)[0] if late else []
     texts = {rank: f"rank {rank}: no answer within {timeout_s:g} s (stopped, gone or holding the GIL)\n"
              for rank in refs.values()}
     dead = []
