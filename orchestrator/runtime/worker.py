@@ -135,7 +135,16 @@ def _resident_bytes() -> int:
 
 
 def _peak_resident_bytes() -> int:
-    # Linux counts ru_maxrss in kilobytes, macOS in bytes.
+    # Linux: the address space's high-water mark, which `_forget_resident_peak` resets. Not
+    # ru_maxrss: that also keeps the mark any thread had when it exited, which no reset clears.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # Elsewhere: the process's own mark, in kilobytes on Linux, bytes on macOS.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
