@@ -158,7 +158,7 @@ class Heartbeat:
         self.asked: dict[Any, tuple[int, float]] = {}
         """Each outstanding question: (rank, when it was asked)."""
         self.answered = [float("-inf")] * len(actors)
-        """When each rank's last question was asked and then answered."""
+        """When each rank's last answer was seen."""
 
     def silent(self) -> list[int]:
         """The ranks whose question has waited `silent_after_s` or more; asks again those that
@@ -174,4 +174,3 @@ class Heartbeat:
             if rank not in waiting and now - self.answered[rank] >= self.every_s:
                 self.asked[actor.alive.remote()] = (rank, now)
         return sorted(rank for rank, when in self.asked.values() if now - when >= self.silent_after_s)
-

@@ -136,7 +136,7 @@ def _resident_bytes() -> int:
 
 def _peak_resident_bytes() -> int:
     # Linux: the address space's high-water mark, which `_forget_resident_peak` resets. Not
-    # ru_maxrss: that also keeps the mark any thread had when it exited, which no reset clears.
+    # ru_maxrss, which that reset does not always clear.
     try:
         with open("/proc/self/status") as f:
             for line in f:
