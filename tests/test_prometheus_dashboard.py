@@ -44,9 +44,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session() -> Path | None:
-    link = RAY_TMP / "session_latest"
-    return link.resolve() if link.exists() else None
+def _session_of(pid: int) -> Path | None:
+    # The session a process started is named after its pid. Not `session_latest`: Ray leaves
+    # that link as it is once its target has been deleted.
+    found = sorted(RAY_TMP.glob(f"session_*_{pid}"))
+    return found[-1] if found else None
 
 
 def _get_json(url: str, headers: dict[str, str] | None = None) -> dict:
@@ -74,7 +76,6 @@ def scraped_run(tmp_path_factory):
     prometheus = _tool("prometheus")
     tmp = tmp_path_factory.mktemp("prom")
     (RAY_TMP / "ray_current_cluster").unlink(missing_ok=True)
-    before = _session()
     prom_port, grafana_port = _free_port(), _free_port()
     env = dict(os.environ,
                # Metrics leave each process every second instead of Ray's 10 s, so a run of
@@ -91,9 +92,9 @@ def scraped_run(tmp_path_factory):
     try:
         deadline = time.monotonic() + 120
         while True:  # Ray writes the session's prometheus.yml as its dashboard starts
-            session = _session()
+            session = _session_of(job.pid)
             config = session / "metrics" / "prometheus" / "prometheus.yml" if session else None
-            if session != before and config is not None and config.is_file():
+            if config is not None and config.is_file():
                 break
             assert job.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "no Ray session with a Prometheus configuration appeared"
