@@ -154,9 +154,9 @@ def test_pipeline_two_workers_end_at_the_val_loss_of_pp1_and_survive_a_killed_st
 
 
 def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threading.Event,
-                    seen: list | None = None) -> None:
-    """Wait for the run's metrics to reach `at_step`, then kill -9 the rank's process; the
-    placement it read is appended to `seen`."""
+                    seen: list | None = None, sig: int = signal.SIGKILL) -> None:
+    """Wait for the run's metrics to reach `at_step`, then kill -9 the rank's process (or send
+    it `sig`); the placement it read is appended to `seen`."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not done.is_set():
         runs = sorted(run_dir_parent.glob("llm-*"))
@@ -168,7 +168,7 @@ def _kill_rank_when(run_dir_parent: Path, rank: int, at_step: int, done: threadi
                     placed = json.loads(placement.read_text())
                     if seen is not None:
                         seen.append(placed)
-                    os.kill(placed[rank]["pid"], signal.SIGKILL)
+                    os.kill(placed[rank]["pid"], sig)
                     return
         time.sleep(0.05)
 
@@ -232,6 +232,33 @@ def test_killed_worker_is_replaced_from_the_survivors_memory_and_the_run_ends_ex
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # one line per step, even across the restart
     assert (run_dir / "loss.svg").read_text().count(">restart<") == 1  # the curve marks where it resumed
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_in_a_whole_world_restart_is_killed_at_once(cluster, tmp_path):
+    # keep_survivors=false: every actor is released, the stopped one too. Ray's own kill of a
+    # stopped process waits 5 s (kill_worker_timeout_milliseconds) before it kills; a rank of
+    # its node kills it at once instead.
+    done, seen = threading.Event(), []
+    stopper = threading.Thread(target=_kill_rank_when, args=(tmp_path, 1, 4, done, seen, signal.SIGSTOP),
+                               daemon=True)
+    stopper.start()
+    try:
+        run_dir, summary, _ = _run(tmp_path, "train.max_steps=60", "train.eval_interval=60", "checkpoint.interval=5",
+                                   "elastic.keep_survivors=false", "train.max_failures=1")
+    finally:
+        done.set()
+        for placed in seen:  # never leave a stopped process behind
+            try:
+                os.kill(placed[1]["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    [restart] = summary["restarts"]
+    assert restart["reason"].startswith("hang: rank(s) [1] did not answer") and restart["ranks"] == [1], restart
+    assert restart["recovery"]["kind"] == "full_restart"
+    assert restart["breakdown"]["teardown_s"] < 4.0, restart["breakdown"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 61))
 
 
 @pytest.mark.slow

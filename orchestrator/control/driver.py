@@ -159,6 +159,7 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
         ray.get([a.shutdown.remote() for a in placement.actors])
     except WorkerFailure as f:
         t = time.monotonic()
+        heal.kill_silent(placement, f)
         placement.release()
         f.teardown_s = time.monotonic() - t
         raise

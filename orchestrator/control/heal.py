@@ -64,7 +64,7 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
     survivors = [r for r in range(len(placement.actors)) if r not in failed]
     # A hung rank is alive: killing it closes its connections, ending its peers' waits. Its
     # replacement starts at once (process, imports, device), while the survivors leave.
-    _kill_silent(placement, failure.silent, survivors)
+    kill_silent(placement, failure)
     placement.restart(sorted(failed))
     for r in survivors:  # NCCL waits end only by abort; it is harmless elsewhere
         placement.actors[r].abort_collectives.remote()
@@ -92,15 +92,17 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
     return sorted(failed | set(stuck) | set(died)), sorted(stuck), None
 
 
-def _kill_silent(placement, silent: list[int], survivors: list[int]) -> None:
-    """SIGKILL each silent rank's process from a survivor on its node, where there is one: Ray's
-    kill waits seconds for a stopped process to exit before it kills it (kill_worker_timeout)."""
-    if not placement.reports:
+def kill_silent(placement, failure: WorkerFailure) -> None:
+    """SIGKILL each silent rank's process from a rank of its node not to blame, where there is
+    one: Ray's kill waits seconds for a stopped process to exit before it kills it
+    (kill_worker_timeout_milliseconds), and both recovery and a whole-world release wait for it."""
+    if not placement.reports or not failure.silent:
         return
     node = [rep["node_id"] for rep in placement.reports]
+    others = [r for r in range(len(placement.actors)) if r not in set(failure.ranks)]
     asks = []
-    for r in silent:
-        peer = next((s for s in survivors if node[s] == node[r]), None)
+    for r in failure.silent:
+        peer = next((s for s in others if node[s] == node[r]), None)
         if peer is not None:
             asks.append(placement.actors[peer].kill_peer.remote(placement.reports[r]["pid"]))
     if asks:
