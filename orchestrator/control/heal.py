@@ -99,7 +99,8 @@ def kill_silent(placement, failure: WorkerFailure) -> None:
     if not placement.reports or not failure.silent:
         return
     node = [rep["node_id"] for rep in placement.reports]
-    others = [r for r in range(len(placement.actors)) if r not in set(failure.ranks)]
+    blamed = set(failure.ranks)
+    others = [r for r in range(len(placement.actors)) if r not in blamed]
     asks = []
     for r in failure.silent:
         peer = next((s for s in others if node[s] == node[r]), None)
