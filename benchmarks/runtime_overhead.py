@@ -3,7 +3,10 @@
     python benchmarks/runtime_overhead.py [--quick] [--steps N] [--repeats N]
 
 The same GPT, data, world size (2 workers) and strategy (DDP, the same plan: micro-batch,
-accumulation, bucket size) are trained six ways in one run, alternating (ABCDEFABCDEF...):
+accumulation, bucket size) are trained six ways in one run, alternating, each round starting
+one launcher later than the last (ABCDEF BCDEFA CDEFAB...), so that no launcher always follows
+the same one (whatever a launch leaves behind, a page cache or a process still exiting, falls
+on every launcher in turn):
 
 * ours: `python -m orchestrator submit jobs/llm.yaml` (its run directory is read), starting
   its private Ray cluster as the default does;
@@ -13,7 +16,11 @@ accumulation, bucket size) are trained six ways in one run, alternating (ABCDEFA
 * ours_auto: `submit` with train.compile=auto, planned with the compile gain the ours_compiled
   launch before it measured (`parallel.calibration`): compiled where that pays over the run;
 * Ray Train: `ray.train.torch.TorchTrainer` on a fresh local Ray cluster;
-* torchrun: `python -m torch.distributed.run --nproc-per-node 2`.
+* torchrun: `python -m torch.distributed.run --nproc-per-node 2`;
+* torchrun_busy: the same torchrun beside a process that keeps a steady share of one core busy
+  (in 10 ms periods): the share ours' other processes (Ray's daemons, the driver, the metrics
+  sink) took beyond torchrun's in this run's launches so far. Where ours' throughput matches
+  it, the gap to torchrun is that CPU and nothing in the step.
 
 Ray Train and torchrun run the runtime's own `Trainer` (one thread per worker, as our
 worker actors use), so only the launcher differs. Each launch is a fresh process that starts
@@ -48,7 +55,7 @@ from _cpu import CpuSampler, split
 
 JOB = ROOT / "jobs" / "llm.yaml"
 WORLD = 2
-LAUNCHERS = ("ours", "ours_warm", "ours_compiled", "ours_auto", "ray_train", "torchrun")
+LAUNCHERS = ("ours", "ours_warm", "ours_compiled", "ours_auto", "ray_train", "torchrun", "torchrun_busy")
 """`ours_compiled` is `submit` with train.compile=true: the same run with its blocks compiled;
 `ours_auto` with train.compile=auto priced by what the `ours_compiled` launch just before it
 measured (`parallel.calibration` naming its run directory): compiled where that pays over the
@@ -57,6 +64,18 @@ GOAL_THROUGHPUT_VS_TORCHRUN = 0.99
 GOAL_THROUGHPUT_VS_RAY_TRAIN = 1.0
 GOAL_FIRST_STEP_VS_TORCHRUN = 1.5
 _POLL_S = 0.02
+BUSY_PERIOD_S = 0.01
+BUSY_DEFAULT_CORES = 0.045
+"""torchrun_busy's share of one core until this run has measured both ours and torchrun."""
+_BUSY = """
+import sys, time
+share, period = float(sys.argv[1]), float(sys.argv[2])
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < share * period:
+        pass
+    time.sleep(period * (1 - share))
+"""
 _TIMEOUT_S = 600
 _CPU_SAMPLE_S = 1.0
 """How often every process's CPU time is read during a launch: one read of ~100 processes costs
@@ -185,10 +204,12 @@ def _launch(cmd: list[str], log: Path, cpu: CpuSampler) -> float:
 
 
 def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp: Path,
-             warm_address: str | None = None, calibration: str | None = None) -> dict[str, Any]:
+             warm_address: str | None = None, calibration: str | None = None,
+             busy_cores: float = 0.0) -> dict[str, Any]:
     """One launch; the seconds to the first step's end and the steady tokens/s. `warm_address`:
     the running Ray cluster `ours_warm` submits to; `calibration`: the run directory whose
-    measured compile gain `ours_auto` plans with."""
+    measured compile gain `ours_auto` plans with; `busy_cores`: the share of one core
+    torchrun_busy's load process keeps busy."""
     work = Path(tempfile.mkdtemp(prefix=f"{launcher}-", dir=tmp))
     log = work / "output.log"
     exit_note = None
@@ -230,11 +251,13 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
         spec = work / "spec.json"
         spec.write_text(json.dumps({"overrides": job_overrides, "plan": plan, "result": str(result)}))
         me = str(Path(__file__).resolve())
-        if launcher == "torchrun":
+        if launcher.startswith("torchrun"):
             cmd = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
                    me, "--child", "torchrun", "--spec", str(spec)]
         else:
             cmd = [python(), me, "--child", "ray_train", "--spec", str(spec)]
+        load = (subprocess.Popen([python(), "-c", _BUSY, repr(busy_cores), repr(BUSY_PERIOD_S)])
+                if launcher == "torchrun_busy" else None)
         try:
             t0 = _launch(cmd, log, cpu)
         except RuntimeError as e:
@@ -243,6 +266,10 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
             if not result.is_file():
                 raise
             t0, exit_note = _started(log), str(e).splitlines()[0]
+        finally:
+            if load is not None:
+                load.kill()
+                load.wait()
         data = json.loads(result.read_text())
         ends, step_s, tokens = data["step_end"], data["step_s"], data["tokens_per_step"]
         first, overhead, compile_s, startup, compiled = ends[0] if ends else None, None, None, None, None
@@ -262,7 +289,20 @@ def run_once(launcher: str, plan: dict[str, Any], job_overrides: list[str], tmp:
             # without the spread of starting Ray.
             **({"wall_past_ray_s": ends[-1] - t0 - startup["ray_start_s"]} if startup and ends else {}),
             **({"compile": compiled, "run_dir": str(run_dir)} if compiled else {}),
+            **({"busy_cores": busy_cores} if launcher == "torchrun_busy" else {}),
             **({"exit": exit_note} if exit_note else {})}
+
+
+def busy_share(runs: list[dict[str, Any]]) -> float:
+    """The share of one core ours' other processes took beyond torchrun's, medians of this
+    run's launches so far (BUSY_DEFAULT_CORES until both have run)."""
+    def others(name: str) -> list[float]:
+        return [r["cpu"]["others_cores"] for r in runs if r["launcher"] == name and r.get("cpu")]
+
+    ours, torchrun = others("ours"), others("torchrun")
+    if not ours or not torchrun:
+        return BUSY_DEFAULT_CORES
+    return max(0.0, statistics.median(ours) - statistics.median(torchrun))
 
 
 def steady_interval(ends: list[float]) -> float:
@@ -304,6 +344,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     warm = med.get("ours_warm")
     if warm is not None:
         ratios["first_step_warm_over_torchrun"] = warm["first_step_s"] / tr["first_step_s"]
+    busy = med.get("torchrun_busy")
+    if busy is not None:
+        ratios["throughput_ours_over_torchrun_busy"] = ours["tokens_per_s"] / busy["tokens_per_s"]
+        ratios["throughput_torchrun_busy_over_torchrun"] = busy["tokens_per_s"] / tr["tokens_per_s"]
     if "in_step_tokens_per_s" in ours and "in_step_tokens_per_s" in tr:
         ratios["in_step_throughput_ours_over_torchrun"] = ours["in_step_tokens_per_s"] / tr["in_step_tokens_per_s"]
     compiled = med.get("ours_compiled")
@@ -372,12 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="runtime_overhead-") as tmp:
         for rep in range(repeats):
-            for launcher in launchers:
+            for launcher in launchers[rep % len(launchers):] + launchers[:rep % len(launchers)]:
                 # Started before its launch and stopped after it: a second cluster alive during
                 # the others' launches slows their own Ray start (by 4 s here).
                 with warm_cluster() if launcher == "ours_warm" else contextlib.nullcontext() as address:
                     measured = _last_compiled_run(runs) if launcher == "ours_auto" else None
-                    r = run_once(launcher, plan, job_overrides, Path(tmp), address, measured)
+                    r = run_once(launcher, plan, job_overrides, Path(tmp), address, measured, busy_share(runs))
                 r["repeat"] = rep
                 runs.append(r)
                 print(f"  {launcher:<10} first step after {r['first_step_s']:6.2f} s, "
@@ -419,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"auto, priced by the compiled launch's measurement: compiled in {rat['auto_compiled_launches']} of "
               f"{med['ours_auto']['repeats']} launches; from Ray up to the last step "
               f"{rat['wall_auto_over_eager']:.3f}x eager's. Its plan said: {last['compile']['reason']}")
+    if "throughput_ours_over_torchrun_busy" in rat:
+        busy = [r["busy_cores"] for r in runs if r["launcher"] == "torchrun_busy"]
+        print(f"torchrun beside a load of {statistics.median(busy):.1%} of one core (what ours' other processes "
+              f"took beyond torchrun's): {rat['throughput_torchrun_busy_over_torchrun']:.3f}x torchrun's tokens/s; "
+              f"ours {rat['throughput_ours_over_torchrun_busy']:.3f}x it")
     print("CPU other processes took during the steady steps (share of the machine's cores): "
           + ", ".join(f"{name} {med[name]['others_cpu_share']:.1%}" for name in LAUNCHERS
                       if "others_cpu_share" in med.get(name, {})))

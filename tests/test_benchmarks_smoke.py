@@ -261,6 +261,25 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
     assert short["ratios"]["wall_auto_over_eager"] == pytest.approx(1.0)
 
 
+def test_runtime_overhead_loads_torchrun_with_what_ours_other_processes_took_beyond_its_own():
+    def run(launcher: str, others: float, tokens: float = 1000.0) -> dict:
+        return {"launcher": launcher, "first_step_s": 5.0, "tokens_per_s": tokens,
+                "cpu": {"others_cores": others, "others_share": others / 2}}
+
+    # Nothing measured yet: the default share.
+    assert runtime_overhead.busy_share([]) == runtime_overhead.BUSY_DEFAULT_CORES
+    assert runtime_overhead.busy_share([run("ours", 0.06)]) == runtime_overhead.BUSY_DEFAULT_CORES
+    runs = [run("ours", 0.060, 960.0), run("ours", 0.050, 970.0), run("ours", 0.058, 965.0),
+            run("torchrun", 0.012), run("torchrun", 0.010), run("ray_train", 0.5)]
+    assert runtime_overhead.busy_share(runs) == pytest.approx(0.058 - 0.011)
+    # torchrun taking more than ours: no load, never a negative one.
+    assert runtime_overhead.busy_share([run("ours", 0.01), run("torchrun", 0.02)]) == 0.0
+    runs.append({**run("torchrun_busy", 0.06, 968.0), "busy_cores": 0.047})
+    r = runtime_overhead.summarize(runs)["ratios"]
+    assert r["throughput_ours_over_torchrun_busy"] == pytest.approx(965 / 968)
+    assert r["throughput_torchrun_busy_over_torchrun"] == pytest.approx(0.968)
+
+
 def test_runtime_overhead_refuses_auto_without_the_compiled_launch_it_plans_from():
     with pytest.raises(SystemExit, match="add ours_compiled"):
         runtime_overhead.main(["--launchers", "ours_auto"])
