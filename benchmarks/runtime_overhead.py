@@ -3,8 +3,8 @@
     python benchmarks/runtime_overhead.py [--quick] [--steps N] [--repeats N]
 
 The same GPT, data, world size (2 workers) and strategy (DDP, the same plan: micro-batch,
-accumulation, bucket size) are trained six ways in one run, alternating, each round starting
-one launcher later than the last (ABCDEF BCDEFA CDEFAB...), so that no launcher always follows
+accumulation, bucket size) are trained seven ways in one run, alternating, each round starting
+one launcher later than the last (ABCDEFG BCDEFGA ...), so that no launcher always follows
 the same one (whatever a launch leaves behind, a page cache or a process still exiting, falls
 on every launcher in turn):
 
