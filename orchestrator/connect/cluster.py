@@ -87,9 +87,11 @@ def connect(
 
 
 REGISTRATION_POLL_S = 0.02
-REGISTRATION_WAIT_S = 30.0
+REGISTRATION_WAIT_S = 5.0
 """How often, and how long at most, a private cluster's start asks whether its raylet has
-registered (`registration_polled`); Ray's own wait for it follows either way."""
+registered (`registration_polled`); Ray's own wait for it follows either way. Short: a raylet
+that never registers is Ray's to report, and this wait comes before each of Ray's tries; past
+a few seconds Ray's one-second retry costs little beside it."""
 
 
 @contextmanager
