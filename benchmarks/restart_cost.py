@@ -50,7 +50,7 @@ def _run(runs: Path, steps: int, batch: int, chaos=None, extra: tuple[str, ...] 
 
     from orchestrator.config import load_config
     from orchestrator.control.driver import run_job
-    from orchestrator.control.rundir import RunDir
+    from orchestrator.record.rundir import RunDir
 
     cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, f"monitor.runs_dir={runs}", f"train.max_steps={steps}",
                                                    f"train.global_batch_size={batch}", f"train.eval_interval={steps}",

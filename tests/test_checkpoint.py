@@ -58,7 +58,7 @@ def test_uncommitted_or_damaged_uri_checkpoint_is_not_taken(one_rank):
 def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank, tmp_path):
     from rich.console import Console
 
-    from orchestrator.control.verify import latest_whole_checkpoint
+    from orchestrator.record.checkpoint_scan import latest_whole_checkpoint
 
     root = str(tmp_path)
     group = checkpoint.writer_group()

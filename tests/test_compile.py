@@ -102,8 +102,8 @@ def test_a_later_plan_of_the_same_model_takes_the_measured_gain_another_model_do
 
 
 def test_a_compiled_run_records_its_measured_gain_where_a_later_plan_reads_it(tmp_path):
-    from orchestrator.control.rundir import RunDir
-    from orchestrator.control.summary import compile_record, save_compile_gain
+    from orchestrator.record.rundir import RunDir
+    from orchestrator.record.summary import compile_record, save_compile_gain
 
     cfg = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.compile=true"])
     plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(2)]))
@@ -134,8 +134,8 @@ def test_a_compiled_run_records_its_measured_gain_where_a_later_plan_reads_it(tm
 def test_steps_trained_both_ways_are_the_gain_a_later_plan_prices_back(tmp_path):
     """Where the ranks timed whole steps eager and compiled, the blocks' speedup is the one that
     saves what the steps saved: the same plan, priced from it, predicts exactly that saving."""
-    from orchestrator.control.rundir import RunDir
-    from orchestrator.control.summary import compile_record, save_compile_gain
+    from orchestrator.record.rundir import RunDir
+    from orchestrator.record.summary import compile_record, save_compile_gain
 
     cfg = load_config("jobs/llm.yaml", ["cluster.num_workers=2", "train.compile=true", "train.max_steps=1000"])
     topo = ClusterTopology(nodes=[cpu_node(2)])

@@ -11,8 +11,8 @@ import pytest
 
 from orchestrator.control import heal
 from orchestrator.control.failures import WorkerFailure
-from orchestrator.control.phases import PART_NAMES, Phases, describe
 from orchestrator.planning.mesh import Mesh
+from orchestrator.record.startup_clock import PART_NAMES, Phases, describe
 
 
 def _placement(world: int):

@@ -35,7 +35,7 @@ def test_planning_imports_neither_torch_nor_ray():
 
 _CHECKPOINT_READER = r"""
 import sys
-from orchestrator.control import stopped, verify
+from orchestrator.record import stopped, checkpoint_scan as verify
 from orchestrator.runtime import checkpoint_files
 print(sorted(m for m in ("torch",) if m in sys.modules))
 """
@@ -44,7 +44,7 @@ print(sorted(m for m in ("torch",) if m in sys.modules))
 def test_checkpoints_are_listed_and_verified_without_torch():
     # Before every resume each node hashes its share of the checkpoint in a fresh Ray worker
     # process, and a stopped run lists its checkpoints: importing torch there would cost
-    # seconds per node per restart for nothing (verify.py's task runs checkpoint_files only).
+    # seconds per node per restart for nothing (checkpoint_scan.py's task runs checkpoint_files only).
     out = subprocess.run([sys.executable, "-c", _CHECKPOINT_READER], capture_output=True, text=True, check=True,
                          timeout=120).stdout.split("\n")
     assert out[0] == "[]", out
@@ -178,6 +178,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("orchestrator.planning",),
     ("orchestrator.workloads",),
     ("orchestrator.runtime", "orchestrator.connect"),
+    ("orchestrator.record",),
     ("orchestrator.control",),
     ("orchestrator.commands",),
     ("orchestrator.cli", "orchestrator"),

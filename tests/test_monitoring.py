@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.connect.remote import head_run_dir
-from orchestrator.control import grafana, monitoring
-from orchestrator.control.rundir import RunDir
+from orchestrator.record import grafana, monitoring
+from orchestrator.record.rundir import RunDir
 from orchestrator.runtime.metrics import JOB_TAG, METRICS, TAG_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def _targets():
 def test_the_shipped_dashboard_file_is_the_one_installed():
     shipped = (ROOT / "deploy" / "grafana" / "orchestrator-dashboard.json").read_text()
     assert shipped == grafana.dashboard_json(), \
-        "regenerate it: python -m orchestrator.control.grafana > deploy/grafana/orchestrator-dashboard.json"
+        "regenerate it: python -m orchestrator.record.grafana > deploy/grafana/orchestrator-dashboard.json"
 
 
 def test_every_query_selects_the_job_by_a_label_that_survives_scraping():

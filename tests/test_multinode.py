@@ -19,7 +19,7 @@ from rich.console import Console
 
 from orchestrator.config import load_config
 from orchestrator.control.driver import run_job
-from orchestrator.control.rundir import RunDir
+from orchestrator.record.rundir import RunDir
 from orchestrator.runtime.nccl_env import interface_addresses
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Nic

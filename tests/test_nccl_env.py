@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.connect.remote import REMOTE_RUN_ENV
-from orchestrator.control.rundir import anchored
+from orchestrator.record.rundir import anchored
 from orchestrator.runtime import nccl_env
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.local import MISSING_NIC_WARNING, TOPOLOGY_FILE_ENV, probe_local

@@ -19,8 +19,8 @@ from orchestrator.cli import main
 from orchestrator.config import load_config
 from orchestrator.connect.cluster import connect
 from orchestrator.control.driver import run_job
-from orchestrator.control.rundir import RunDir
 from orchestrator.data.stream import builtin_text
+from orchestrator.record.rundir import RunDir
 from orchestrator.runtime import checkpoint, checkpoint_files
 from orchestrator.workloads.gpt import GPT, GPTConfig
 

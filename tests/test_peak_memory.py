@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from orchestrator.control.summary import PEAK_MEMORY_TOLERANCE, peak_memory_warning
+from orchestrator.record.summary import PEAK_MEMORY_TOLERANCE, peak_memory_warning
 
 # In a fresh process, so no earlier test's allocations have already raised its high-water mark.
 _ALLOCATE = r"""

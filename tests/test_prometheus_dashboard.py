@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.control import grafana
+from orchestrator.record import grafana
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_TMP = Path("/tmp/ray")

@@ -21,8 +21,8 @@ from rich.console import Console
 
 from orchestrator.config import load_config
 from orchestrator.control.driver import run_job
-from orchestrator.control.rundir import RunDir
-from orchestrator.control.verify import latest_whole_checkpoint
+from orchestrator.record.checkpoint_scan import latest_whole_checkpoint
+from orchestrator.record.rundir import RunDir
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology
 

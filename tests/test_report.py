@@ -16,7 +16,8 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.config import load_config, to_yaml
-from orchestrator.control.report import (
+from orchestrator.planning import plan_job
+from orchestrator.record.report import (
     RANK_TIMES,
     REPORT,
     SECTIONS,
@@ -24,8 +25,7 @@ from orchestrator.control.report import (
     build_report,
     write_report,
 )
-from orchestrator.control.rundir import RunDir
-from orchestrator.planning import plan_job
+from orchestrator.record.rundir import RunDir
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology
 

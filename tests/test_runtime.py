@@ -20,8 +20,8 @@ from rich.console import Console
 from orchestrator.config import load_config
 from orchestrator.connect.cluster import connect
 from orchestrator.control.driver import run_job
-from orchestrator.control.rundir import RunDir
 from orchestrator.errors import CheckpointError
+from orchestrator.record.rundir import RunDir
 from orchestrator.runtime import checkpoint, checkpoint_files
 from orchestrator.workloads.gpt import GPT, GPTConfig
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator.control.rundir import RunDir
-from orchestrator.control.worker_logs import WorkerLogs, classify
+from orchestrator.record.rundir import RunDir
+from orchestrator.record.worker_logs import WorkerLogs, classify
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -161,7 +161,7 @@ def test_a_stopped_summary_counts_the_step_its_newest_checkpoint_proves(tmp_path
     # The signal can land after a step's checkpoint is committed and before the driver wrote
     # that step's metrics line: the checkpoint says how far the run got.
     from orchestrator.config import load_config
-    from orchestrator.control.stopped import stopped_summary
+    from orchestrator.record.stopped import stopped_summary
 
     cfg = load_config(ROOT / "jobs" / "llm.yaml", [f"monitor.runs_dir={tmp_path}"])
     run = RunDir.create(cfg.monitor.runs_dir, cfg.name)

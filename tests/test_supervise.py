@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from orchestrator.control.straggler import StragglerTracker, describe
 from orchestrator.control.supervise import (
     Heartbeat,
     _node_may_be_going,
@@ -19,6 +18,7 @@ from orchestrator.control.supervise import (
     hang_timeout_s,
     save_stacks,
 )
+from orchestrator.record.straggler import StragglerTracker, describe
 
 
 def test_the_rank_whose_own_work_is_over_1_3x_the_median_is_named_with_its_node():

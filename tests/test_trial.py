@@ -20,13 +20,13 @@ from orchestrator.config import load_config
 from orchestrator.control import trial as trial_module
 from orchestrator.control.driver import run_job
 from orchestrator.control.placement import claim, place, start_early
-from orchestrator.control.rundir import RunDir
 from orchestrator.control.trial import run_trial
 from orchestrator.errors import RunFailed
 from orchestrator.planning import plan_job
 from orchestrator.planning.calibration import load
 from orchestrator.planning.cluster_view import plannable
 from orchestrator.planning.trial import Candidate
+from orchestrator.record.rundir import RunDir
 from orchestrator.topology.cluster_probe import probe_cluster
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology

@@ -1,6 +1,6 @@
 """`report RUN_DIR`: rebuild the run's report.html, one self-contained page (plan and why,
 topology, rank layout, loss, per-rank step time, predicted against measured, restarts,
-checkpoints), from the run directory's files alone (see orchestrator/control/report.py)."""
+checkpoints), from the run directory's files alone (see orchestrator/record/report.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..control.report import REPORT, RUN_MARKERS, build_report, is_run_dir
-    from ..control.rundir import RunDir
+    from ..record.report import REPORT, RUN_MARKERS, build_report, is_run_dir
+    from ..record.rundir import RunDir
 
     path = Path(args.run_dir)
     if not path.is_dir():

@@ -41,8 +41,8 @@ def resume_checkpoint(run_dir: str) -> str:
 
     from rich.console import Console
 
-    from ..control.verify import latest_whole_checkpoint
     from ..errors import CheckpointError
+    from ..record.checkpoint_scan import latest_whole_checkpoint
 
     root = Path(run_dir)
     if not root.is_dir():
@@ -109,9 +109,9 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     from ..connect.cluster import connect
     from ..connect.remote import RUN_DIR_LINE, RUN_NAME_ENV
     from ..control.preflight import start_measuring
-    from ..control.rundir import RunDir, anchored
     from ..control.signals import stop_on_sigterm
-    from ..control.worker_logs import WorkerLogs
+    from ..record.rundir import RunDir, anchored
+    from ..record.worker_logs import WorkerLogs
     from ..workloads.source import inside_ray_job, model_modules
 
     cfg.monitor.runs_dir = anchored(cfg.monitor.runs_dir)
@@ -185,9 +185,9 @@ def _run_until_stopped(cfg, job: str | None, run_dir, console, dashboard_url: st
     """The run; stopped by SIGTERM or Ctrl-C, it is recorded as stopped before the exit (the
     driver has released its actors and placement group by then)."""
     from ..control.driver import run_job
-    from ..control.report import write_report
     from ..control.signals import signal_name
-    from ..control.stopped import stopped_summary
+    from ..record.report import write_report
+    from ..record.stopped import stopped_summary
 
     t0 = time.monotonic()
     try:

@@ -28,6 +28,13 @@ from ..planning.cluster_view import plannable
 from ..planning.mesh import Mesh
 from ..planning.model_spec import ModelSpec
 from ..planning.trial import pinned
+from ..record.checkpoint_scan import latest_whole_checkpoint
+from ..record.monitoring import announce
+from ..record.progress import ProgressView
+from ..record.report import write_report
+from ..record.rundir import RunDir
+from ..record.startup_clock import Phases
+from ..record.summary import notes, print_summary, save_compile_gain, summarize, write_loss_curve
 from ..runtime import checkpoint_files
 from ..runtime.metrics import record_restarts
 from ..runtime.peer_state import PeerRestore
@@ -36,15 +43,8 @@ from . import heal, trial
 from .elastic import devices_now, limit_world, plan_keeping_batch, uses_gpus
 from .failures import Regrow, WorkerFailure, raise_failure
 from .follow import RunState, consume, follow
-from .monitoring import announce
-from .phases import Phases
 from .placement import EarlyStart, Placement, claim, cpu_affinity, nccl_settings, place, start_early
 from .preflight import compile_checked, measure_model
-from .progress import ProgressView
-from .report import write_report
-from .rundir import RunDir
-from .summary import notes, print_summary, save_compile_gain, summarize, write_loss_curve
-from .verify import latest_whole_checkpoint
 
 
 def run_job(

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..record.rundir import RunDir
 from . import supervise
-from .rundir import RunDir
 
 
 def now(t: float | None = None) -> str:

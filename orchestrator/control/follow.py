@@ -5,10 +5,8 @@ step for too long is a hang; more devices alive at a checkpoint is a regrow."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -19,64 +17,14 @@ from rich.markup import escape
 
 from ..config import JobConfig
 from ..planning import Plan
-from ..planning.calibration import UNCALIBRATED, Calibration
-from ..planning.model_spec import ModelSpec
+from ..record.progress import ProgressView
+from ..record.report import RANK_TIMES, LiveReport
+from ..record.run_state import METRIC_KEYS, RunState, where
+from ..record.rundir import RunDir
+from ..record.startup_clock import describe as describe_phases
+from ..record.straggler import StragglerTracker, describe
 from . import supervise
 from .failures import Regrow, WorkerFailure, raise_failure, raise_hang
-from .phases import Phases
-from .phases import describe as describe_phases
-from .progress import ProgressView
-from .report import RANK_TIMES, LiveReport
-from .rundir import RunDir
-from .straggler import StragglerTracker, describe
-
-METRIC_KEYS = ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s", "grad_norm", "mfu",
-               "val_loss")
-"""The fields of one metrics.jsonl row."""
-
-
-@dataclass
-class RunState:
-    """What the driver has seen of the run so far (across restarts)."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    """One metrics row per completed step, as written to metrics.jsonl."""
-    stragglers: StragglerTracker = field(default_factory=StragglerTracker)
-    """Every rank's own step and exposed-communication times (the current world's ranks)."""
-    val: list[tuple[int, float]] = field(default_factory=list)
-    checkpoints: list[str] = field(default_factory=list)
-    restarts: list[dict[str, Any]] = field(default_factory=list)
-    model_fn: Callable[..., Any] | None = None
-    """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
-    spec: ModelSpec | None = None
-    """The measured model the planner prices; None for the built-in GPT (its formulas)."""
-    phases: Phases | None = None
-    """The clock of the start or restart whose first step has not come yet."""
-    startup: dict[str, Any] | None = None
-    """Where the seconds to the run's first step went (`Phases.finish`)."""
-    trial: dict[str, Any] | None = None
-    """plan.json's `trial` section, once the run's trial ran or was skipped (once per run)."""
-    trial_plan: Plan | None = None
-    """The plan the trial kept; a restart on the same world size trains it again."""
-    calibration: Calibration = UNCALIBRATED
-    """What every plan of the run is priced with (`parallel.calibration`)."""
-
-    @property
-    def last_step(self) -> int:
-        return self.rows[-1]["step"] if self.rows else 0
-
-    def rewind(self, step: int, run: RunDir) -> None:
-        """Forget what happened after `step` (a resumed run recomputes those steps), in memory
-        and in metrics.jsonl. rank_times.jsonl is kept: it records how fast each rank ran, not
-        what a step computed, and the steps trained twice were timed twice."""
-        self.rows = [r for r in self.rows if r["step"] <= step]
-        self.val = [v for v in self.val if v[0] <= step]
-        run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
-
-
-def where(plan: Plan) -> dict[int, dict[str, Any]]:
-    """Each rank's placement in the plan (node, device, NIC), for the straggler report."""
-    return {r.rank: r.to_dict() for r in plan.ranks}
 
 
 def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan, state: RunState, start: int,
@@ -174,7 +122,7 @@ def _last_items(sink, state: RunState, run: RunDir, view: ProgressView, every: i
 
 
 def _first_step(state: RunState, seconds: float, console: Console) -> None:
-    """The first step after a start or restart closes its clock (phases.py)."""
+    """The first step after a start or restart closes its clock (record/startup_clock.py)."""
     phases, state.phases = state.phases, None
     phases.add("first_step_s", seconds)
     breakdown = phases.finish()

@@ -27,9 +27,9 @@ from ..errors import RunFailed
 from ..planning.calibration import CALIBRATION_FILE, term_ratios
 from ..planning.compile import EAGER
 from ..planning.trial import WARMUP_STEPS, Candidate
+from ..record.rundir import RunDir
 from . import supervise
 from .placement import Placement, cpu_affinity, nccl_settings
-from .rundir import RunDir
 
 
 @dataclass

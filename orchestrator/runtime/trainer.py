@@ -31,11 +31,11 @@ from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
 from .compile import eager_for_eval
 from .hf_weights import check_weights, load_weights
+from .lr_schedule import lr_at
 from .materialize import allocate, build_on_meta, init_recipe, materialize
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .peer_state import Held, PeerRestore, restore
 from .pipeline import Pipelined, build_pipeline
-from .schedule import lr_at
 from .state_names import canonical, restore_names, tied_aliases
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}

@@ -165,5 +165,5 @@ def install(session_dir: str | os.PathLike) -> Path | None:
     return path
 
 
-if __name__ == "__main__":  # python -m orchestrator.control.grafana > deploy/grafana/orchestrator-dashboard.json
+if __name__ == "__main__":  # python -m orchestrator.record.grafana > deploy/grafana/orchestrator-dashboard.json
     print(dashboard_json(), end="")

@@ -16,7 +16,7 @@ from ..config import JobConfig
 from ..planning import Plan
 from ..planning.calibration import CALIBRATION_FILE, CompileGain, block_speedup, speedup_from_saving, with_compile_gain
 from .curve import loss_svg
-from .follow import RunState, where
+from .run_state import RunState, where
 from .rundir import RunDir
 
 AGREEMENT = (0.5, 2.0)
