@@ -299,14 +299,15 @@ def test_the_live_report_rewrites_at_most_every_interval_and_warns_once(tmp_path
 
 def test_the_driver_keeps_every_ranks_timings_and_a_rewind_keeps_them(tmp_path):
     from orchestrator.control.follow import RunState, consume
+    from orchestrator.runtime.messages import RankTimes, Stepped
 
     class View:
         def update(self, row, val):
             pass
 
     run, state = RunDir(tmp_path), RunState()
-    consume([{"kind": "times", "rank": 1, "times": [(0.5, 0.1), (0.4, 0.0)]},
-             {"kind": "step", "step": 1, "loss": 5.0, "step_s": 0.5, "val_loss": None}], state, run, View(), 1)
+    consume([RankTimes(rank=1, times=((0.5, 0.1), (0.4, 0.0))),
+             Stepped(row={"step": 1, "loss": 5.0, "step_s": 0.5, "val_loss": None})], state, run, View(), 1)
     rows = [json.loads(x) for x in (tmp_path / RANK_TIMES).read_text().splitlines()]
     assert rows == [{"rank": 1, "world": 0, "step_s": 0.5, "exposed_comm_s": 0.1},
                     {"rank": 1, "world": 0, "step_s": 0.4, "exposed_comm_s": 0.0}]

@@ -36,6 +36,7 @@ from ..record.rundir import RunDir
 from ..record.startup_clock import Phases
 from ..record.summary import notes, print_summary, save_compile_gain, summarize, write_loss_curve
 from ..runtime import checkpoint_files
+from ..runtime.messages import Stepped
 from ..runtime.metrics import record_restarts
 from ..runtime.peer_state import PeerRestore
 from ..topology.model import ClusterTopology
@@ -198,7 +199,7 @@ def _keep_survivors(cfg: JobConfig, plan: Plan, placement: Placement, f: WorkerF
     peers, rows, why_checkpoint = heal.from_memory(placement, replace, plan.mesh, state.last_step,
                                                    cfg.train.max_steps, cfg.elastic.leave_timeout_s)
     if rows:  # the steps rank 0 had not sent when it failed: the survivors made the same rows
-        consume([{"kind": "step", **row} for row in rows], state, run,
+        consume([Stepped(row=row) for row in rows], state, run,
                 ProgressView(cfg.train.max_steps, console, enabled=False), cfg.monitor.log_interval)
     resume = on_failure(f, peers)
     world = len(placement.actors)

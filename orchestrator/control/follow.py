@@ -23,6 +23,7 @@ from ..record.run_state import METRIC_KEYS, RunState, where
 from ..record.rundir import RunDir
 from ..record.startup_clock import describe as describe_phases
 from ..record.straggler import StragglerTracker, describe
+from ..runtime.messages import Committed, Evaluated, Message, RankTimes, Stepped
 from . import supervise
 from .failures import Regrow, WorkerFailure, raise_failure, raise_hang
 
@@ -65,9 +66,9 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                 items = ray.get(sink.drain.remote())
                 if items:
                     watchdog.progressed()
-                saved = [(it["step"], it["path"]) for it in items if it["kind"] == "checkpoint"]
-                timed = any(it["kind"] == "times" for it in items)
-                stepped = any(it["kind"] == "step" for it in items)
+                saved = [(it.step, it.path) for it in items if isinstance(it, Committed)]
+                timed = any(isinstance(it, RankTimes) for it in items)
+                stepped = any(isinstance(it, Stepped) for it in items)
                 consume(items, state, run, view, cfg.monitor.log_interval)
                 if stepped and state.phases is not None:
                     _first_step(state, time.monotonic() - t_follow, console)
@@ -132,25 +133,22 @@ def _first_step(state: RunState, seconds: float, console: Console) -> None:
         console.print(f"[green]recovered[/] in {escape(describe_phases(breakdown))}")
 
 
-def consume(items: list[dict[str, Any]], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:
+def consume(items: list[Message], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:
     """Take what the ranks reported into the run's state, the progress view and metrics.jsonl
     (every `every`-th step and every step with a validation loss)."""
     rows = []
     for it in items:
-        kind = it.pop("kind")
-        if kind == "end":
-            continue
-        if kind == "eval":
-            state.val.append((it["step"], it["val_loss"]))
-        elif kind == "checkpoint":
-            state.checkpoints.append(it["path"])
-        elif kind == "times":
-            state.stragglers.add(it["rank"], [tuple(t) for t in it["times"]])
+        if isinstance(it, Evaluated):
+            state.val.append((it.step, it.val_loss))
+        elif isinstance(it, Committed):
+            state.checkpoints.append(it.path)
+        elif isinstance(it, RankTimes):
+            state.stragglers.add(it.rank, [tuple(t) for t in it.times])
             # `world`: restarts so far; a restarted world numbers its ranks afresh.
-            run.append_jsonl(RANK_TIMES, [{"rank": it["rank"], "world": len(state.restarts), "step_s": s,
-                                           "exposed_comm_s": c} for s, c in it["times"]])
-        elif kind == "step":
-            row = {k: it.get(k) for k in METRIC_KEYS}
+            run.append_jsonl(RANK_TIMES, [{"rank": it.rank, "world": len(state.restarts), "step_s": s,
+                                           "exposed_comm_s": c} for s, c in it.times])
+        elif isinstance(it, Stepped):
+            row = {k: it.row.get(k) for k in METRIC_KEYS}
             state.rows.append(row)
             if row["val_loss"] is not None:
                 state.val.append((row["step"], row["val_loss"]))

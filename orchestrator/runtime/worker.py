@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from ..planning import Plan
+from .messages import Committed, Ended, Evaluated, Message, RankTimes, Stepped
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
 from .nccl_env import apply as apply_nccl
@@ -206,15 +207,15 @@ class MetricsSink:
     """Collects what ranks push; the driver drains it."""
 
     def __init__(self) -> None:
-        self._items: list[dict[str, Any]] = []
+        self._items: list[Message] = []
 
-    def put(self, item: dict[str, Any]) -> None:
+    def put(self, item: Message) -> None:
         self._items.append(item)
 
-    def put_many(self, items: list[dict[str, Any]]) -> None:
+    def put_many(self, items: list[Message]) -> None:
         self._items.extend(items)
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[Message]:
         items, self._items = self._items, []
         return items
 
@@ -228,10 +229,10 @@ class Outbox:
     def __init__(self, sink, interval_s: float = SEND_INTERVAL_S) -> None:
         self._sink = sink
         self._interval_s = interval_s
-        self._items: list[dict[str, Any]] = []
+        self._items: list[Message] = []
         self._since = 0.0
 
-    def add(self, item: dict[str, Any], urgent: bool = False) -> None:
+    def add(self, item: Message, urgent: bool = False) -> None:
         if not self._items:
             self._since = time.monotonic()
         self._items.append(item)
@@ -548,7 +549,7 @@ class Worker:
         if start == 0:
             last_val = tr.evaluate()  # the untrained model's loss: the baseline of the curve
             if self.rank == 0:
-                outbox.add({"kind": "eval", "step": 0, "val_loss": last_val}, urgent=True)
+                outbox.add(Evaluated(step=0, val_loss=last_val), urgent=True)
         times: list[tuple[float, float]] = []  # this rank's own timings, for the straggler report
         pending = None  # a checkpoint being written in the background, committed after the next step
         overhead_s = 0.0  # this loop's own work per step: reporting, not training
@@ -572,12 +573,12 @@ class Worker:
             self.metrics.record_step(row)
             if self.rank == 0:
                 # The first step at once: it closes the driver's clock of this start or restart.
-                outbox.add({"kind": "step", **row}, urgent=evaluated or step == start)
+                outbox.add(Stepped(row=dict(row)), urgent=evaluated or step == start)
             times.append((res.step_s, res.exposed_comm_s))
             if len(times) >= TIMES_BATCH or final:
                 # Already a batch: sent now, or the other ranks' timings (their only items) would
                 # wait a batch more for the straggler report.
-                outbox.add({"kind": "times", "rank": self.rank, "times": times}, urgent=True)
+                outbox.add(RankTimes(rank=self.rank, times=tuple(times)), urgent=True)
                 times = []
             overhead_s += time.perf_counter() - t_report
             if pending is not None:
@@ -602,7 +603,7 @@ class Worker:
         if self.rank == 0:
             # Calls from one caller run in order: once this returns, the sink holds every item
             # above, so the driver's last drain after this method returns misses nothing.
-            ray.get(sink.put.remote({"kind": "end"}))
+            ray.get(sink.put.remote(Ended()))
         return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes(),
                 "memory": asdict(memory_use(tr.device, self.memory_baseline)),
                 "overhead_s_per_step": overhead_s / max(1, end - start),
@@ -611,7 +612,7 @@ class Worker:
 
     def _committed(self, path: str, step: int, outbox: Outbox) -> None:
         if self.rank == 0:
-            outbox.add({"kind": "checkpoint", "step": step, "path": str(path)}, urgent=True)
+            outbox.add(Committed(step=step, path=str(path)), urgent=True)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
