@@ -10,6 +10,8 @@ back into the capture's matrix. Constants mirror nvidia-ml-py 13, including its
 
 from __future__ import annotations
 
+import ctypes
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -96,13 +98,20 @@ class NVMLError_ArgumentVersionMismatch(NVMLError):
     text = "Argument Version Mismatch"
 
 
-class c_nvmlGpuFabricInfoV_t:
-    def __init__(self) -> None:
-        self.version = 0
-        self.clusterUuid = [0] * 16
-        self.status = NVML_SUCCESS
-        self.cliqueId = 0
-        self.state = 0
+class c_nvmlGpuFabricInfoV_t(ctypes.Structure):
+    """nvidia-ml-py's struct: a ctypes Structure, so a caller can (and must) pass it by reference."""
+
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_uint),
+                ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint)]
+
+
+def _pointee(arg: object) -> c_nvmlGpuFabricInfoV_t:
+    """The struct behind `ctypes.byref(struct)`, as the C library sees it; anything else is what
+    nvidia-ml-py would hand NVML as a stray address, refused here as NVML cannot."""
+    obj = getattr(arg, "_obj", None)
+    if type(arg).__name__ != "CArgObject" or not isinstance(obj, c_nvmlGpuFabricInfoV_t):
+        raise TypeError(f"the fabric info must be passed as ctypes.byref(struct), not {type(arg).__name__}")
+    return obj
 
 
 class FakeNvml:
@@ -210,14 +219,15 @@ class FakeNvml:
             raise NVMLError_NotSupported()
         return [int(self._gpu(h).mig), int(self._gpu(h).mig)]
 
-    def nvmlDeviceGetGpuFabricInfoV(self, h: int, info: c_nvmlGpuFabricInfoV_t) -> int:
+    def nvmlDeviceGetGpuFabricInfoV(self, h: int, ref: object) -> int:
+        info = _pointee(ref)
         self._check("nvmlDeviceGetGpuFabricInfoV")
         if info.version != nvmlGpuFabricInfo_v2:
             raise NVMLError_ArgumentVersionMismatch()
         fabric = self._gpu(h).fabric
         if fabric is None:
             raise NVMLError_NotSupported()
-        info.clusterUuid = list(fabric[0])
+        info.clusterUuid = (ctypes.c_uint8 * 16)(*fabric[0])
         info.cliqueId = fabric[1]
         info.state = NVML_GPU_FABRIC_STATE_COMPLETED
         info.status = NVML_SUCCESS

@@ -19,6 +19,7 @@ probe. The traps this module handles:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 from collections import defaultdict
@@ -144,7 +145,9 @@ def _fabric_clique(g: _Guard, handle: Any, where: str) -> str | None:
             if hasattr(info, "version"):
                 # A versioned struct must say which version it is, or NVML refuses the call.
                 info.version = getattr(nv, "nvmlGpuFabricInfo_v2", 0)
-            if g(call, handle, info, where=where, normal="NVMLError_NotSupported") is None:
+            # nvidia-ml-py hands the argument to the C call as it is: the struct must go by
+            # reference (NVIDIA's own callers pass byref), or NVML writes through its contents.
+            if g(call, handle, ctypes.byref(info), where=where, normal="NVMLError_NotSupported") is None:
                 info = None
             break
     if info is None or int(info.state) != _FABRIC_STATE_COMPLETED or int(info.status) != 0:
