@@ -127,7 +127,7 @@ def test_tp_pairs_land_under_one_pcie_switch_and_hsdp_shards_stay_in_a_node(two_
             assert {k: env[k] for k in USER_NCCL} == USER_NCCL
         else:
             # the interface holding the node's address, the one the other nodes reach it by
-            held = [name for name, addrs in interface_addresses().items() if p["ip"] in addrs]
+            held = [f"={name}" for name, addrs in interface_addresses().items() if p["ip"] in addrs]
             assert [env["NCCL_SOCKET_IFNAME"]] == held and "NCCL_DEBUG" not in env
         written = parse_nccl_xml(Path(env["NCCL_TOPO_FILE"]).read_text())
         assert [d.pci_bus_id for d in written.devices] == [d.pci_bus_id for d in declared.devices]

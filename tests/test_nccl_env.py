@@ -89,7 +89,8 @@ def test_apply_sets_what_the_user_did_not_and_reports_it(monkeypatch, tmp_path):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     setup = nccl_env.nccl_setup(_declared(), multi_node=True)
     got, notes = nccl_env.apply(setup, "127.0.0.1")
-    assert got["NCCL_SOCKET_IFNAME"] == "lo" and not notes
+    # NCCL matches a bare name as a prefix (eth0 would take eth0.100 too): `=` names exactly one.
+    assert got["NCCL_SOCKET_IFNAME"] == "=lo" and not notes
     assert Path(got["NCCL_TOPO_FILE"]).read_text() == setup.topo_xml
     assert Path(got["NCCL_TOPO_FILE"]).parent.parent == tmp_path
     # A user's own setting wins, whatever we would have chosen.

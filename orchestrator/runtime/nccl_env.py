@@ -8,8 +8,8 @@ file (`NCCL_TOPO_FILE`), not forced HCA lists. So, per node:
   declared file itself when it is NCCL XML, else the XML written from our model of it, which
   needs the GPUs' PCI bus ids;
 - a probed node gets none: NCCL reads the same PCI tree we read;
-- a job on several nodes gets `NCCL_SOCKET_IFNAME`, the interface holding the node's Ray
-  address, the one that reaches the other nodes (NCCL's bootstrap otherwise takes the first
+- a job on several nodes gets `NCCL_SOCKET_IFNAME=<name>` (with NCCL's `=`, an exact match: a
+  bare name is a prefix), the interface holding the node's Ray address, the one that reaches the other nodes (NCCL's bootstrap otherwise takes the first
   non-loopback interface, a docker bridge as often as not).
 
 A `NCCL_*` variable already set in a worker's environment (the node's, or the job's
@@ -128,7 +128,8 @@ def apply(setup: NcclSetup | None, node_ip: str, gpu_bus_id: str | None = None) 
         if setup.socket_ifname and SOCKET_IFNAME not in os.environ:
             name = interface_of(node_ip)
             if name:
-                os.environ[SOCKET_IFNAME] = name
+                # `=`: exactly this interface; a bare name is a prefix (eth0 would also match eth0.100).
+                os.environ[SOCKET_IFNAME] = f"={name}"
             else:
                 notes.append(f"{SOCKET_IFNAME} not set: no interface holds this node's address {node_ip}")
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}, notes
