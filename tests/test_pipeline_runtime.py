@@ -214,3 +214,16 @@ def test_evaluation_asks_torch_for_the_losses_only_not_every_micro_batchs_logits
     torch_self = SimpleNamespace(_has_backward=True, step=lambda *a, **k: seen.update(k))
     schedules.PipelineScheduleSingle.eval(torch_self, x, target=y, losses=[], return_outputs=False)
     assert seen["return_outputs"] is False and torch_self._has_backward is True
+
+
+def test_a_stage_without_gradients_sums_a_zero_on_its_own_device(monkeypatch) -> None:
+    # NCCL takes only tensors on the group's device: a CPU zero from a GPU stage would fail
+    # there. "meta" stands in for a GPU here: any device but the CPU tells the two apart.
+    from orchestrator.runtime import pipeline
+
+    seen = []
+    monkeypatch.setattr(pipeline.dist, "all_reduce", lambda t, op=None, group=None: seen.append(t.device))
+    stage = pipeline.Pipelined(parts=[], schedule=None, pipeline=None, pp_group=None, pp_ranks=[0, 1], pp_rank=1,
+                               device=torch.device("meta"))
+    total = stage.clip_grad_norm_(1.0)
+    assert seen == [torch.device("meta")] and total.device == torch.device("meta")

@@ -199,6 +199,9 @@ class Pipelined:
     pp_ranks: list[int]
     """Global ranks of this rank's pipeline, by stage."""
     pp_rank: int
+    device: torch.device
+    """This rank's device: what its stages compute on, and what its collectives' tensors live on
+    (NCCL takes only tensors on the group's device)."""
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -262,7 +265,8 @@ class Pipelined:
         tied = {id(p) for p in self._tied()} if self.has_last else set()
         params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
         counted = [p for p in params if id(p) not in tied]
-        local = total_grad_norm(counted) if counted else torch.zeros(())
+        # A stage without gradients still joins the sum, with a zero on its own device.
+        local = total_grad_norm(counted) if counted else torch.zeros((), device=self.device)
         sq = (local.float() ** 2).reshape(())
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.pp_group)
         total = sq.sqrt()
@@ -331,4 +335,4 @@ def build_pipeline(model: nn.Module, ex: Execution, mesh: DeviceMesh,
               for p, c in zip(parts, pl.chunks_of(pp_rank))]
     schedule = build_schedule(stages, pl.schedule, pl.microbatches)
     notes = list(parts[0].notes)
-    return Pipelined(parts, schedule, pl, group, dist.get_process_group_ranks(group), pp_rank, notes)
+    return Pipelined(parts, schedule, pl, group, dist.get_process_group_ranks(group), pp_rank, device, notes)
