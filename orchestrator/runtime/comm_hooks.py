@@ -141,12 +141,13 @@ def hierarchical_all_reduce(tensor: torch.Tensor, state: HierarchicalAllReduce) 
     wire.div_(state.world)
     m = state.intra.size()
     n = wire.numel()
-    # reduce_scatter_single splits the input into m equal shards; pad the tail with zeros.
+    # reduce_scatter_tensor splits the input into m equal shards; pad the tail with zeros. (It and
+    # all_gather_into_tensor exist in every torch this runs on; the newer *_single names do not.)
     flat = torch.nn.functional.pad(wire, (0, -n % m)) if n % m else wire
     shard = flat.new_empty(flat.numel() // m)
-    dist.reduce_scatter_single(shard, flat, group=state.intra, async_op=True).wait()
+    dist.reduce_scatter_tensor(shard, flat, group=state.intra, async_op=True).wait()
     dist.all_reduce(shard, group=state.inter, async_op=True).wait()
-    gathered = dist.all_gather_single(flat, shard, group=state.intra, async_op=True).get_future()
+    gathered = dist.all_gather_into_tensor(flat, shard, group=state.intra, async_op=True).get_future()
     state.buckets_reduced += 1
 
     def unpack(_: torch.futures.Future) -> torch.Tensor:
