@@ -11,7 +11,6 @@ back into the capture's matrix. Constants mirror nvidia-ml-py 13, including its
 from __future__ import annotations
 
 import ctypes
-
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace

@@ -137,3 +137,71 @@ def test_a_node_whose_check_fails_is_one_line_and_the_others_are_checked(tmp_pat
     assert bad.reasons[0].startswith("fail: the check did not finish:") and "broken.txt" in bad.reasons[0]
     assert good.verdict == "ok" and good.details["note"] == "no GPU: CPU figures only"
     assert figures["links"].startswith("not measured:")
+
+
+class _Clock:
+    """A wall clock that only the calls under test move: each costs `cost(n)` seconds."""
+
+    def __init__(self, cost) -> None:
+        self.t, self.calls, self.cost = 0.0, 0, cost
+
+    def now(self) -> float:
+        return self.t
+
+    def call(self) -> None:
+        self.calls += 1
+        self.t += self.cost(self.calls)
+
+
+def test_a_rate_is_timed_warm_over_enough_work():
+    from orchestrator.topology.health import MEASURE_S, WARMUP_S, timed_seconds
+
+    # A 0.2 ms matmul on a GPU that starts at a third of its speed and is at full speed after
+    # 100 calls: a cold 10-call sample would read it three times slower than it is.
+    clock = _Clock(lambda n: 0.0006 if n <= 100 else 0.0002)
+    timed = []
+
+    def timer(fn, iters):
+        t0 = clock.now()
+        for _ in range(iters):
+            fn()
+        timed.append(iters)
+        return clock.now() - t0
+
+    per_call = timed_seconds(clock.call, lambda: None, timer, now=clock.now)
+    assert per_call == pytest.approx(0.0002)
+    warm_calls = clock.calls - sum(timed)
+    assert warm_calls * 0.0002 + 100 * 0.0004 >= WARMUP_S  # the warm-up ran at least WARMUP_S
+    assert sum(timed) * 0.0002 >= MEASURE_S  # and at least MEASURE_S of calls were timed
+
+
+def test_a_warm_up_slower_than_the_timed_calls_still_times_enough_work():
+    from orchestrator.topology.health import MEASURE_S, timed_seconds
+
+    # One 0.25 s first call (kernel load), then 1 ms calls: the warm-up's mean asks for too few.
+    clock = _Clock(lambda n: 0.25 if n == 1 else 0.001)
+
+    def timer(fn, iters):
+        t0 = clock.now()
+        for _ in range(iters):
+            fn()
+        return clock.now() - t0
+
+    assert timed_seconds(clock.call, lambda: None, timer, now=clock.now) == pytest.approx(0.001)
+    assert clock.calls - 1 >= MEASURE_S / 0.001
+
+
+def test_the_sm_clock_is_read_from_nvml_and_unknown_without_it():
+    from types import SimpleNamespace
+
+    from orchestrator.topology.health import _sm_clock_mhz
+
+    nv = SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, NVML_CLOCK_SM=1,
+                         nvmlDeviceGetHandleByIndex=lambda i: ("h", i),
+                         nvmlDeviceGetClockInfo=lambda h, kind: 1980 if (h, kind) == (("h", 3), 1) else 0)
+    assert _sm_clock_mhz(3, nv) == 1980
+
+    def no_nvml():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    assert _sm_clock_mhz(0, SimpleNamespace(nvmlInit=no_nvml)) is None

@@ -93,8 +93,10 @@ def judge_health(report: dict[str, Any], name: str) -> NodeReport:
                 ("mem_ratio", "memory copy", "GB/s", WARN_MEMORY, FAIL_MEMORY, spec.mem_gbps)):
             got = c[key] * table
             if c[key] < warn:
+                clock = c.get("sm_clock_mhz_after")
                 out.add("fail" if c[key] < fail else "warn",
-                        f"GPU{c['device']} {what} {got:.0f} {unit} is {c[key]:.0%} of the {spec.name}'s {table:.0f}")
+                        f"GPU{c['device']} {what} {got:.0f} {unit} is {c[key]:.0%} of the {spec.name}'s {table:.0f}"
+                        + (f" (SM clock {clock} MHz after the check)" if clock else ""))
     return out
 
 

@@ -8,8 +8,9 @@ file (`NCCL_TOPO_FILE`), not forced HCA lists. So, per node:
   declared file itself when it is NCCL XML, else the XML written from our model of it, which
   needs the GPUs' PCI bus ids;
 - a probed node gets none: NCCL reads the same PCI tree we read;
-- a job on several nodes gets `NCCL_SOCKET_IFNAME=<name>` (with NCCL's `=`, an exact match: a
-  bare name is a prefix), the interface holding the node's Ray address, the one that reaches the other nodes (NCCL's bootstrap otherwise takes the first
+- a job on several nodes gets `NCCL_SOCKET_IFNAME=<name>` (NCCL's `=`: an exact match; a bare
+  name is a prefix), the interface holding the node's Ray address, the one that reaches the
+  other nodes (NCCL's bootstrap otherwise takes the first
   non-loopback interface, a docker bridge as often as not).
 
 A `NCCL_*` variable already set in a worker's environment (the node's, or the job's

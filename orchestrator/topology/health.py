@@ -6,7 +6,8 @@
 - **Wiring**: the probe's topology, NVML's against `nvidia-smi topo -m`'s where both answer
   (a pair they disagree on is named), and the checks of `wiring.py`.
 - **Compute**: each GPU's bf16 and fp32 matmul rate and its device-memory copy bandwidth, each
-  beside the planner's table figure as a ratio; on a machine without a GPU the host's fp32
+  beside the planner's table figure as a ratio, timed warm (`WARMUP_S`, `MEASURE_S`) with the SM
+  clock before and after; on a machine without a GPU the host's fp32
   matmul rate and memory bandwidth.
 
 Every part that fails costs only its own figures and says why in `errors`; torch and NVML are
@@ -15,8 +16,10 @@ imported here, on the node, never by the driver.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .local import probe_local, probe_smi
@@ -125,15 +128,65 @@ def wiring_disagreements(nvml: NodeTopology, smi: NodeTopology) -> list[str]:
             for x, y in sorted(set(a) | set(b)) if a.get((x, y)) != b.get((x, y))]
 
 
-def _gpu_rates(device: int, quick: bool) -> dict[str, float]:
-    """bf16 and fp32 (no TF32) matmul TFLOP/s and device-memory copy GB/s of CUDA device `device`."""
+WARMUP_S = 0.2
+"""Seconds of calls before a rate is timed: a GPU idling at its base clock needs about this long
+to reach its boost clock, and the first calls load kernels and caches; a cold sample of a few
+milliseconds can read a healthy GPU as a slow one."""
+MEASURE_S = 0.05
+"""At least this much work is timed, so a timer's resolution and one call's jitter do not count."""
+
+
+def timed_seconds(fn: Callable[[], Any], sync: Callable[[], None], timer: Callable[[Callable[[], Any], int], float],
+                  now: Callable[[], float] = time.perf_counter, warmup_s: float = WARMUP_S,
+                  measure_s: float = MEASURE_S, min_iters: int = 5) -> float:
+    """Seconds per call of `fn`: called until `warmup_s` of wall time has passed (each call
+    waited for with `sync`, so queued work is not mistaken for done), then timed by
+    `timer(fn, iters)` (the seconds `iters` calls took) over enough calls to fill `measure_s`."""
+    sync()
+    t0, calls = now(), 0
+    while True:
+        fn()
+        sync()
+        calls += 1
+        elapsed = now() - t0
+        if elapsed >= warmup_s:
+            break
+    per_call = elapsed / calls
+    iters = max(min_iters, math.ceil(measure_s / max(per_call, 1e-9)))
+    while True:
+        total = timer(fn, iters)
+        if total >= measure_s:  # a warm-up slower than the timed calls asks for too few: more
+            return total / iters
+        iters *= 2
+
+
+def _sm_clock_mhz(device: int, pynvml_module: Any = None) -> int | None:
+    """GPU `device`'s current SM clock, as NVML reports it (None where NVML cannot say)."""
+    try:
+        nv = pynvml_module
+        if nv is None:
+            import pynvml as nv
+        nv.nvmlInit()
+        try:
+            return int(nv.nvmlDeviceGetClockInfo(nv.nvmlDeviceGetHandleByIndex(device), nv.NVML_CLOCK_SM))
+        finally:
+            nv.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML (a container, a fake GPU): the clock is simply unknown
+        return None
+
+
+def _gpu_rates(device: int, quick: bool) -> dict[str, Any]:
+    """bf16 and fp32 (no TF32) matmul TFLOP/s and device-memory copy GB/s of CUDA device
+    `device`, and its SM clock before and after (a rate read at a low clock says so)."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device("cuda", device)
-    out = {"bf16_tflops": _matmul_tflops(torch.bfloat16, 4096 if quick else 8192, dev),
-           "fp32_tflops": _matmul_tflops(torch.float32, 4096, dev)}
+    out: dict[str, Any] = {"sm_clock_mhz_before": _sm_clock_mhz(device)}
+    out["bf16_tflops"] = _matmul_tflops(torch.bfloat16, 4096 if quick else 8192, dev)
+    out["fp32_tflops"] = _matmul_tflops(torch.float32, 4096, dev)
     out["mem_gbps"] = _copy_gbps((1 if quick else 2) << 30, dev)
+    out["sm_clock_mhz_after"] = _sm_clock_mhz(device)
     torch.cuda.empty_cache()
     return out
 
@@ -155,19 +208,19 @@ def _matmul_tflops(dtype, n: int, dev) -> float:
     return 2 * n ** 3 / _cuda_seconds(lambda: a @ b, dev) / 1e12
 
 
-def _cuda_seconds(fn, dev, iters: int = 10) -> float:
+def _cuda_seconds(fn, dev) -> float:
     import torch
 
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(dev)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize(dev)
-    return start.elapsed_time(end) / 1000.0 / iters
+    def timer(f, iters: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            f()
+        end.record()
+        torch.cuda.synchronize(dev)
+        return start.elapsed_time(end) / 1000.0
+
+    return timed_seconds(fn, lambda: torch.cuda.synchronize(dev), timer)
 
 
 def _cpu_rates(quick: bool) -> dict[str, float]:
@@ -184,12 +237,14 @@ def _cpu_rates(quick: bool) -> dict[str, float]:
     return out
 
 
-def _wall_seconds(fn, iters: int = 5) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
+def _wall_seconds(fn) -> float:
+    def timer(f, iters: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            f()
+        return time.perf_counter() - t0
+
+    return timed_seconds(fn, lambda: None, timer)
 
 
 def software() -> dict[str, Any]:
