@@ -338,11 +338,14 @@ class EarlyStart:
 
 
 def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker: float,
-                threads_per_worker: int) -> EarlyStart | None:
+                threads_per_worker: int, measure: bool = False) -> EarlyStart | None:
     """Reserve and start a worker on every GPU of every alive node (a GPU-less cluster of one
     node: its `num_workers` CPU slots, as the probe counts them), without waiting; None where
     the plan's devices cannot be foreseen from Ray's resources alone: several GPU-less nodes,
-    or more devices than elastic.max_workers lets a plan use."""
+    or more devices than elastic.max_workers lets a plan use; and None where the probe will
+    `measure` the links: its own actors need every device the early workers would hold."""
+    if measure:
+        return None
     alive = [n for n in ray.nodes() if n.get("Alive")]
     gpus = {n["NodeID"]: int(n.get("Resources", {}).get("GPU", 0)) for n in alive}
     use_gpu = any(gpus.values())
