@@ -68,11 +68,27 @@ def live_topology(cfg: JobConfig) -> ClusterTopology:
     from ..topology.cluster_probe import probe_cluster
 
     with connect(cfg.cluster.address):
-        return probe_cluster(num_cpu_slots=cfg.cluster.num_workers)
+        return probe_cluster(num_cpu_slots=cfg.cluster.num_workers, cpus_per_worker=cfg.cluster.cpus_per_worker)
+
+
+def _plan(cfg: JobConfig, topo: ClusterTopology, spec, calibration):
+    """The plan `submit` would run on `topo`. Every node of a plan runs as many ranks, so where
+    the nodes hold uneven numbers of workers (a small `ray start` cluster), the largest part of
+    the cluster that holds them evenly is planned, as the driver does, and a note says so."""
+    from ..control.elastic import plan_keeping_batch
+    from ..planning import plan_job
+    from ..planning.cluster_view import plannable
+
+    view, left_out = plannable(topo)
+    if len({n.num_devices for n in view.nodes}) <= 1:
+        return plan_job(cfg, topo, spec=spec, calibration=calibration)
+    plan, _, note = plan_keeping_batch(cfg, view, spec, left_out, calibration)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return plan
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planning import plan_job
     from ..planning.calibration import UNCALIBRATED
     from ..planning.calibration import load as load_calibration
     from ..planning.render import render_svg, render_text
@@ -104,13 +120,13 @@ def run(args: argparse.Namespace) -> int:
         from ..workloads.inspect import model_spec
 
         spec = model_spec(cfg.model)
-    plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
+    plan = _plan(cfg, topo, spec, calibration)
     if spec is not None and not spec.compile_checked and (plan.compile.enabled or cfg.train.compile == "true"):
         from ..control.preflight import compile_checked
 
         # Traced only once the plan would compile: planned again with what the trace found.
         spec = compile_checked(cfg, spec)
-        plan = plan_job(cfg, topo, spec=spec, calibration=calibration)
+        plan = _plan(cfg, topo, spec, calibration)
     if args.svg:
         Path(args.svg).write_text(render_svg(plan, topo))
     if args.json:

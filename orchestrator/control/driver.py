@@ -121,7 +121,8 @@ def _attempt(cfg: JobConfig, run: RunDir, console: Console, state: RunState, ckp
     t = time.monotonic()
     # The workers start (processes, imports, devices) while the cluster is probed and planned.
     early = start_early(job=cfg.name, num_workers=cfg.cluster.num_workers, max_workers=cfg.elastic.max_workers,
-                        cpus_per_worker=cfg.cluster.cpus_per_worker, threads_per_worker=_threads(cfg))
+                        cpus_per_worker=cfg.cluster.cpus_per_worker, threads_per_worker=_threads(cfg),
+                        measure=cfg.cluster.measure)
     try:
         topology = _probe(cfg, run, console, early.probers() if early is not None else None)
         # GPU-less nodes (a CPU head) run no rank of a GPU plan: the one rule, in `plannable`.
@@ -230,14 +231,20 @@ def _probe(cfg: JobConfig, run: RunDir, console: Console, on: dict | None = None
     """Every node's interconnect, written to topology.json; the warnings a user must act on
     (NICs a node declares but lacks) are repeated on the console. `on`: a worker already
     started on a node, to probe it in (`EarlyStart.probers`)."""
-    from ..topology.cluster_probe import probe_cluster
+    from ..topology.cluster_probe import HOLDS_NO_WORKER, RAY_GPUS_UNSEEN, probe_cluster
     from ..topology.local import MISSING_NIC_WARNING
 
     with console.status("probing the cluster topology" + (" and timing its links" if cfg.cluster.measure else "")):
-        topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers, on=on)
+        topology = probe_cluster(measure=cfg.cluster.measure, num_cpu_slots=cfg.cluster.num_workers, on=on,
+                                 cpus_per_worker=cfg.cluster.cpus_per_worker)
     run.write_text("topology.json", topology.to_json())
     for warning in dict.fromkeys(w for n in topology.nodes for w in n.warnings if MISSING_NIC_WARNING in w):
         console.print(f"[yellow]warning:[/] {escape(warning)}")
+    # What runs where Ray's resources promise otherwise: one line per node.
+    for n in topology.nodes:
+        for w in n.warnings:
+            if RAY_GPUS_UNSEEN in w or HOLDS_NO_WORKER in w:
+                console.print(f"note: node {(n.node_id or '')[:12]} ({n.hostname}): {w}", markup=False)
     return topology
 
 

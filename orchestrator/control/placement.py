@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import PlacementError
 from ..planning import Plan
+from ..topology.cluster_probe import cpu_slots
 
 NODE_ID_LABEL = "ray.io/node-id"
 FENCE_S = 2.0
@@ -187,6 +188,32 @@ def _bundles(plan: Plan, use_gpu: bool, cpus: float, pin: bool,
     return bundles, (selectors if pin or any(selectors) else None)
 
 
+def never_fits(bundles: list[dict], selectors: list[dict] | None, nodes: list[dict]) -> str | None:
+    """What no wait can give: a node pinned by `selectors` whose *total* resources (not what is
+    free now) are less than its bundles need, or a bundle no node could hold at all; None where
+    the group fits the cluster once other work frees it. `nodes`: `ray.nodes()`."""
+    alive = {n["NodeID"]: n for n in nodes if n.get("Alive")}
+    need: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for i, bundle in enumerate(bundles):
+        node = (selectors[i] if selectors else {}).get(NODE_ID_LABEL)
+        if node is None:
+            if not any(all(n["Resources"].get(k, 0) >= v for k, v in bundle.items()) for n in alive.values()):
+                wants = ", ".join(f"{k} {v:g}" for k, v in bundle.items())
+                return f"no node of the cluster holds one worker's {wants} in total"
+            continue
+        for k, v in bundle.items():
+            need[node][k] += v
+    for node, resources in need.items():
+        if node not in alive:
+            return f"node {node[:12]} is not alive"
+        total = alive[node]["Resources"]
+        for k, v in resources.items():
+            if total.get(k, 0) < v - 1e-9:
+                return (f"node {node[:12]} ({alive[node].get('NodeManagerAddress', '?')}) needs {k} {v:g} for its "
+                        f"workers and has {total.get(k, 0):g} in total")
+    return None
+
+
 def _missing(bundles: list[dict], selectors: list[dict] | None) -> str:
     """Say what the cluster lacks, per node, for a group that did not become ready."""
     need: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -225,6 +252,9 @@ def place(
     """Reserve the plan's devices and start one worker actor per rank, in rank order."""
     labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
     bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes, labels)
+    impossible = never_fits(bundles, selectors, ray.nodes())
+    if impossible:  # said now: waiting out cluster.placement_timeout_s cannot change a node's totals
+        raise PlacementError(f"the cluster can never hold the plan's {len(bundles)} workers: {impossible}")
     t_group = time.monotonic()
     pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
     _wait_ready(pg, bundles, selectors, timeout_s)
@@ -340,7 +370,7 @@ class EarlyStart:
 def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker: float,
                 threads_per_worker: int, measure: bool = False) -> EarlyStart | None:
     """Reserve and start a worker on every GPU of every alive node (a GPU-less cluster of one
-    node: its `num_workers` CPU slots, as the probe counts them), without waiting; None where
+    node: the CPU slots the probe will count there, `cpu_slots`), without waiting; None where
     the plan's devices cannot be foreseen from Ray's resources alone: several GPU-less nodes,
     or more devices than elastic.max_workers lets a plan use; and None where the probe will
     `measure` the links: its own actors need every device the early workers would hold."""
@@ -351,8 +381,9 @@ def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker
     use_gpu = any(gpus.values())
     if use_gpu:
         slots_per_node = {node: count for node, count in gpus.items() if count}
-    elif len(alive) == 1 and num_workers > 0:
-        slots_per_node = {alive[0]["NodeID"]: num_workers}
+    elif len(alive) == 1 and (slots := cpu_slots(alive[0].get("Resources", {}).get("CPU", 0), cpus_per_worker,
+                                                  num_workers)):
+        slots_per_node = {alive[0]["NodeID"]: slots}  # as many as the probe will count there
     else:
         return None
     if max_workers and sum(slots_per_node.values()) > max_workers:

@@ -23,16 +23,32 @@ ON_WORKER_TIMEOUT_S = 60.0
 
 log = logging.getLogger(__name__)
 
+RAY_GPUS_UNSEEN = "but no GPU is visible to NVML here: it runs CPU workers"
+"""Said of a node whose GPUs exist only as Ray resources (started with --num-gpus, no driver)."""
+HOLDS_NO_WORKER = "hold no worker of cluster.cpus_per_worker"
+"""Said of a node whose CPUs are fewer than one worker needs."""
+
 
 def _probe_on_node(num_cpu_slots: int) -> dict[str, Any]:
     return probe_local(num_cpu_slots).to_dict()
 
 
-def probe_cluster(measure: bool = False, num_cpu_slots: int = 0, on: dict[str, Any] | None = None) -> ClusterTopology:
+def cpu_slots(node_cpus: float, cpus_per_worker: float, num_workers: int) -> int:
+    """How many CPU workers a node without a usable GPU holds: as many as its Ray CPUs give
+    `cpus_per_worker` each, at most `num_workers` (0: no cap)."""
+    fit = int(node_cpus / cpus_per_worker + 1e-9)  # 3 CPUs of 1.5 each are two, not 1.9999
+    return min(fit, num_workers) if num_workers else fit
+
+
+def probe_cluster(measure: bool = False, num_cpu_slots: int = 0, on: dict[str, Any] | None = None,
+                  cpus_per_worker: float = 1.0) -> ClusterTopology:
     """The topology of every alive node of the connected Ray cluster (ray.init must have run).
 
-    `num_cpu_slots` sizes GPU-less nodes (the job's workers per node); 0 takes each node's
-    Ray CPU count. With `measure`, links are then measured (see :mod:`.measure`). `on` maps
+    A node without a GPU NVML can see offers `cpu_slots` CPU workers: its Ray CPUs over
+    `cpus_per_worker`, at most `num_cpu_slots` (`cluster.num_workers`; 0: no cap). One that
+    holds none is kept without devices, which leaves it out of every plan, and a cluster where
+    no node holds a worker at all is refused. With `measure`, links are then measured (see
+    :mod:`.measure`). `on` maps
     a node id to an actor already started there with a `probe(num_cpu_slots)` method (the
     job's own workers): that node is probed in it, with no process to start for the task;
     where the actor cannot answer, by the task after all.
@@ -48,8 +64,12 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0, on: dict[str, A
     task = ray.remote(_probe_on_node)
     on = on or {}
 
+    def cpus_of(n: dict) -> float:
+        return float(n.get("Resources", {}).get("CPU", 0))
+
     def slots_of(n: dict) -> int:
-        return num_cpu_slots or max(1, int(n.get("Resources", {}).get("CPU", 1)))
+        # A node that holds no worker is probed as one slot, then stripped of it (below).
+        return max(1, cpu_slots(cpus_of(n), cpus_per_worker, num_cpu_slots))
 
     def by_task(n: dict):
         return task.options(
@@ -91,11 +111,30 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0, on: dict[str, A
         node.node_id = node_id
         node.hostname = node.hostname or n.get("NodeManagerHostname", "")
         node.ray_gpus = int(n.get("Resources", {}).get("GPU", 0))
+        _count_cpu_slots(node, cpus_of(n), cpus_per_worker, num_cpu_slots)
         nodes.append(node)
 
     if not nodes:
         raise TopologyError("every node of the Ray cluster died during the topology probe")
+    if not any(node.devices for node in nodes):
+        largest = max(zip(nodes, alive), key=lambda pair: cpus_of(pair[1]))
+        raise TopologyError(
+            f"key 'cluster.cpus_per_worker': no node of the cluster holds one worker of {cpus_per_worker:g} CPUs; "
+            f"the largest, node {largest[0].node_id[:12]} ({largest[0].hostname}), has {cpus_of(largest[1]):g}")
     cluster = ClusterTopology(nodes=nodes, network=network_from_nodes(nodes))
     if measure:
         cluster = measure_cluster(cluster)
     return cluster
+
+
+def _count_cpu_slots(node: NodeTopology, node_cpus: float, cpus_per_worker: float, num_workers: int) -> None:
+    """Size a node that runs CPU workers by what it holds (`cpu_slots`), and say where Ray's
+    GPUs are not ones a rank can use (no NVML or CUDA on the node sees them)."""
+    if any(d.kind != "cpu" for d in node.devices):
+        return
+    if node.ray_gpus:
+        node.warnings.append(f"Ray offers {node.ray_gpus} GPU(s) on this node {RAY_GPUS_UNSEEN}")
+    slots = cpu_slots(node_cpus, cpus_per_worker, num_workers)
+    if slots == 0:
+        node.warnings.append(f"its {node_cpus:g} CPU(s) {HOLDS_NO_WORKER}={cpus_per_worker:g}")
+        node.devices, node.links = [], []
