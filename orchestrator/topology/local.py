@@ -12,8 +12,10 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,12 @@ _PLACEHOLDER_NIC = re.compile(r"^(NIC\d+|[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-
 _SMI_TIMEOUT_S = 30
 CACHE_DIR_ENV = "ORCHESTRATOR_CACHE_DIR"
 """Where the probe keeps what it measured of a host's CPU (default: ~/.cache/orchestrator)."""
+CPU_RATE_SPREAD = 0.15
+"""Timed passes of the CPU rate that differ by more than this share of their median were taken
+while something else ran: they are timed again."""
+CPU_RATE_AGREEMENT = 0.15
+"""A run's own measured CPU rate within this share of the kept one agrees with it; beyond, it
+replaces it."""
 
 
 def probe_local(
@@ -85,29 +93,51 @@ def known_cpu_slot_tflops() -> float | None:
     """`cpu_slot_tflops`, measured once per kind of host and kept in the cache directory: the
     figure belongs to the CPU model, its core count and the torch build, and measuring it
     means importing torch in the probe (a second of CPU on every node, on the critical path
-    to the first step). `cluster.measure` measures afresh."""
+    to the first step). `cluster.measure` measures afresh, and a run that measures its compute
+    otherwise corrects it (`correct_cpu_slot_tflops`)."""
     key = _cpu_key()
     if key is None:  # no torch here: nothing to measure with
         return None
-    path = _cache_dir() / "cpu_slot_tflops.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    value = known.get(key)
+    value = _read_cache().get(key)
     if isinstance(value, (int, float)) and value > 0:
         return float(value)
     value = cpu_slot_tflops()
     if value:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_text(json.dumps({**known, key: value}, indent=1))
-            tmp.replace(path)  # concurrent probes of one host never see half a file
-        except OSError:  # a read-only home: measured again next time
-            pass
+        _write_cache(key, value)
     return value
+
+
+def correct_cpu_slot_tflops(measured: float, agree_within: float = CPU_RATE_AGREEMENT) -> float | None:
+    """Keep `measured` (the per-slot rate a run's own timed compute implies) as this host's
+    figure where it differs from the kept one by more than `agree_within`, so that one busy
+    moment at the first measurement is not kept for good. Returns the figure now kept."""
+    key = _cpu_key()
+    if key is None or not measured > 0:
+        return None
+    kept = _read_cache().get(key)
+    if isinstance(kept, (int, float)) and kept > 0 and abs(measured / kept - 1) <= agree_within:
+        return float(kept)
+    _write_cache(key, measured)
+    return measured
+
+
+def _read_cache() -> dict:
+    try:
+        known = json.loads((_cache_dir() / "cpu_slot_tflops.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write_cache(key: str, value: float) -> None:
+    path = _cache_dir() / "cpu_slot_tflops.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({**_read_cache(), key: value}, indent=1))
+        tmp.replace(path)  # concurrent probes of one host never see half a file
+    except OSError:  # a read-only home: measured again next time
+        pass
 
 
 def _cache_dir() -> Path:
@@ -133,8 +163,12 @@ def _cpu_key() -> str | None:
     return f"{model or 'unknown CPU'} | {os.cpu_count()} CPUs | torch {torch_version}"
 
 
-def cpu_slot_tflops(seconds: float = 0.2, n: int = 512) -> float | None:
-    """fp32 matmul TFLOP/s of one CPU thread (a worker's share on a GPU-less node)."""
+def cpu_slot_tflops(seconds: float = 0.2, n: int = 512, passes: int = 5, tries: int = 3,
+                    max_spread: float = CPU_RATE_SPREAD) -> float | None:
+    """fp32 matmul TFLOP/s of one CPU thread (a worker's share on a GPU-less node): the median
+    of `passes` timed passes over `seconds`. A pass another process slowed shows as spread:
+    where the passes differ by more than `max_spread` of their median, they are timed again,
+    up to `tries` times, and the steadiest try's median is kept."""
     try:
         import torch
     except ImportError:  # the probe also runs where only the planner is installed
@@ -144,13 +178,32 @@ def cpu_slot_tflops(seconds: float = 0.2, n: int = 512) -> float | None:
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b  # warm-up
-        runs, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            a @ b
-            runs += 1
-        return 2 * n**3 * runs / (time.perf_counter() - t0) / 1e12
+
+        def one_pass() -> float:
+            runs, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / passes:
+                a @ b
+                runs += 1
+            return 2 * n**3 * runs / (time.perf_counter() - t0) / 1e12
+
+        return steadiest_median(one_pass, passes, tries, max_spread)
     finally:
         torch.set_num_threads(threads)
+
+
+def steadiest_median(one_pass: Callable[[], float], passes: int, tries: int, max_spread: float) -> float:
+    """The median of `passes` calls of `one_pass`, taken again (up to `tries` times in all)
+    while their spread, (max - min) / median, is over `max_spread`; the steadiest try's median."""
+    best: tuple[float, float] | None = None  # (spread, median)
+    for _ in range(tries):
+        rates = sorted(one_pass() for _ in range(passes))
+        median = statistics.median(rates)
+        spread = (rates[-1] - rates[0]) / median if median > 0 else float("inf")
+        if best is None or spread < best[0]:
+            best = (spread, median)
+        if spread <= max_spread:
+            break
+    return best[1]
 
 
 def _run(cmd: list[str], reasons: list[str]) -> str | None:
