@@ -1,6 +1,7 @@
 """Recovery without a cluster: where the survivors' state comes from, and the clock of a start or
-restart. (Whether the survivors may stay: test_recovery_decisions.py. With real ranks killed,
-hung and lost: test_runtime.py and test_recovery.py.)"""
+restart. (Whether the survivors may stay, and the driver carrying that out:
+test_recovery_decisions.py. With real ranks killed, hung and lost: test_runtime.py and
+test_recovery.py.)"""
 
 from __future__ import annotations
 

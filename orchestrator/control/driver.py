@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -415,7 +415,7 @@ class JobDriver:
         self.record.rewind(resume_step, self.job.run)
         return resume
 
-    def _give_up(self, decision: GiveUp, f: WorkerFailure) -> None:
+    def _give_up(self, decision: GiveUp, f: WorkerFailure) -> NoReturn:
         """The failed run's record, then RunFailed naming the newest whole checkpoint."""
         resume, resume_step = self._resume_point(None)
         self._count_restart(f, resume_step)
