@@ -77,6 +77,7 @@ class Regrow:
 
     @property
     def reason(self) -> str:
+        """What grew, in one line (the console's and the restart record's)."""
         return f"grow: {self.now} devices available, the plan was made for {self.before}"
 
     def restart_record(self, failed_at_step: int, resumed_from_step: int) -> dict[str, Any]:
