@@ -26,6 +26,7 @@ from orchestrator.planning import plan_job
 from orchestrator.planning.calibration import load
 from orchestrator.planning.cluster_view import plannable
 from orchestrator.planning.trial import Candidate
+from orchestrator.record.console_view import ConsoleView
 from orchestrator.record.rundir import RunDir
 from orchestrator.topology.cluster_probe import probe_cluster
 from orchestrator.topology.files import load_topology_file
@@ -130,20 +131,21 @@ def test_a_candidate_that_cannot_run_is_dropped_and_all_failing_stops_the_run(cl
     placement = place(plan, job="trial-test", use_gpu=True, cpus_per_worker=0.25, threads_per_worker=1,
                       timeout_s=60)
     console = Console(record=True, width=200)
+    view = ConsoleView(console)
     try:
         out = run_trial(cfg, [Candidate("planned", broken, "broken"), Candidate("runner-up", plan, "fine")],
-                        placement, topology, console, True, None, None)
+                        placement, topology, view, True, None, None)
         assert out[0].failed.startswith("RuntimeError: plan does not cover the global batch")
         assert out[1].failed is None and out[1].step_s > 0
         text = console.export_text()
         assert "dropped planned (ddp on" in text and "plan does not cover the global batch" in text
         with pytest.raises(RunFailed, match="every trial plan failed; the first, ddp on .*: RuntimeError: plan does"):
-            run_trial(cfg, [Candidate("planned", broken, "broken")] * 2, placement, topology, console, True, None,
+            run_trial(cfg, [Candidate("planned", broken, "broken")] * 2, placement, topology, view, True, None,
                       None)
         # Near ties are set up and timed once more, in reverse order, their steps added to their first.
         monkeypatch.setattr(trial_module, "near_ties", lambda measured: [m for m in measured if not m.failed])
         out = run_trial(cfg, [Candidate("planned", plan, "a"), Candidate("runner-up", plan, "b")], placement, topology,
-                        console, True, None, None)
+                        view, True, None, None)
         assert [(m.visits, len(m.steps_s), m.failed) for m in out] == [(2, 2 * cfg.parallel.trial_steps, None)] * 2
         assert all(m.step_s == min(m.steps_s) and m.row()["visits"] == 2 for m in out)
         assert "2 plans lie within their own step-to-step spread of the fastest; timing them again" in \

@@ -1,48 +1,75 @@
 """Following a running world from the driver: every rank's step loop is started, and what the
 ranks report through the metrics sink is turned into metrics.jsonl, the progress bar and the
-straggler report until every rank returns. A rank's future failing is the failure signal; no
-step for too long is a hang; more devices alive at a checkpoint is a regrow."""
+straggler report until the world ends. How it ended is returned, never raised: every rank
+returned (`Finished`); a rank's future failed, or no step came for too long, a hang (`Failed`);
+more devices were alive at a checkpoint (`Regrow`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from rich.console import Console
-from rich.markup import escape
 
-from ..config import JobConfig
 from ..planning import Plan
+from ..record.console_view import ConsoleView
 from ..record.progress import ProgressView
 from ..record.report import RANK_TIMES, LiveReport
 from ..record.run_state import METRIC_KEYS, RunState, where
 from ..record.rundir import RunDir
-from ..record.startup_clock import describe as describe_phases
-from ..record.straggler import StragglerTracker, describe
+from ..record.startup_clock import Phases
+from ..record.straggler import StragglerTracker
 from ..runtime.messages import Committed, Evaluated, Message, RankTimes, Stepped
 from . import supervise
-from .failures import Regrow, WorkerFailure, raise_failure, raise_hang
+from .failures import Regrow, WorkerFailure
+from .job_context import JobContext
 
 
-def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan, state: RunState, start: int,
-           ckpt_dir: str, devices_at_plan: int = 0,
-           devices_now: Callable[[], int] | None = None) -> list[dict[str, Any]]:
-    """Run every rank's step loop from `start` and follow it until all return; returns each
-    rank's final report. Raises WorkerFailure (a rank died, raised or hung) or Regrow (more
-    devices than `devices_at_plan` alive when a checkpoint was just committed)."""
+@dataclass(frozen=True)
+class Finished:
+    """Every rank returned from its step loop."""
+
+    finals: list[dict[str, Any]]
+    """Each rank's final report, by rank."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A world that failed: in setup, or while training."""
+
+    failure: WorkerFailure
+    """Who failed and how."""
+    train_refs: list | None = None
+    """Every rank's step-loop future when it failed while training (the survivors' end as they
+    leave the broken group); None when it failed before its ranks started their steps."""
+    before_first_step: bool = True
+    """Whether the world had not finished a step yet (its start-up clock still open)."""
+
+
+Outcome = Finished | Failed | Regrow
+"""How following a world ended."""
+
+
+def follow(job: JobContext, placement, plan: Plan, state: RunState, clock: Phases | None, start: int,
+           devices_at_plan: int = 0, devices_now: Callable[[], int] | None = None) -> Outcome:
+    """Run every rank's step loop from `start` and follow it until the world ends: every rank
+    returned, a rank died, raised or hung, or more devices than `devices_at_plan` were alive
+    when a checkpoint was just committed. `clock`: the start or restart's clock, which the first
+    step closes (the run's `startup`, or the restart record's breakdown)."""
     from ..runtime.worker import MetricsSink
 
+    cfg, run, view = job.config, job.run, job.view
     actors = placement.actors
     # The sink lives beside the driver: a worker node may fail, the driver's own node may not.
     sink = MetricsSink.options(
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
     ).remote()
-    refs = [a.train.remote(start, cfg.train.max_steps, sink, ckpt_dir) for a in actors]
+    refs = [a.train.remote(start, cfg.train.max_steps, sink, job.checkpoint_root) for a in actors]
     pending = list(refs)
     rank_of = {ref: r for r, ref in enumerate(refs)}
     state.stragglers = StragglerTracker()  # this world's ranks only
@@ -53,11 +80,11 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
     watchdog = supervise.Watchdog(supervise.hang_timeout_s(plan.run_step_s, e.hang_factor, e.hang_floor_s)
                                   + plan.compile.compile_s)
     heartbeat = supervise.Heartbeat(actors, e.silent_after_s) if e.silent_after_s else None
-    report = LiveReport(run, lambda msg: console.print(f"[yellow]warning:[/] {escape(msg)}"))
+    report = LiveReport(run, view.warning)
     t_follow = time.monotonic()
-    view = ProgressView(cfg.train.max_steps, console, cfg.monitor.progress)
+    progress = ProgressView(cfg.train.max_steps, view.console, cfg.monitor.progress)
     try:
-        with view:
+        with progress:
             while True:
                 done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
                 if done:  # take whatever else finished with it, so every dead rank is seen at once
@@ -69,16 +96,17 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                 saved = [(it.step, it.path) for it in items if isinstance(it, Committed)]
                 timed = any(isinstance(it, RankTimes) for it in items)
                 stepped = any(isinstance(it, Stepped) for it in items)
-                consume(items, state, run, view, cfg.monitor.log_interval)
-                if stepped and state.phases is not None:
-                    _first_step(state, time.monotonic() - t_follow, console)
+                consume(items, state, run, progress, cfg.monitor.log_interval)
+                if stepped and clock is not None:
+                    _first_step(clock, time.monotonic() - t_follow, state, view)
+                    clock = None
                 if stepped:
                     report.maybe()
                 if timed:
                     slow = [s for s in state.stragglers.report(placed) if s["rank"] not in announced]
                     if slow:
                         announced.update(s["rank"] for s in slow)
-                        console.print(f"[yellow]straggler:[/] {escape(describe(slow))}")
+                        view.stragglers(slow)
                 errors = {}
                 for ref in done:
                     try:
@@ -86,26 +114,27 @@ def follow(cfg: JobConfig, run: RunDir, console: Console, placement, plan: Plan,
                     except (RayActorError, RayTaskError) as err:
                         errors[rank_of[ref]] = err
                 if errors:
-                    raise_failure(errors[min(errors)], placement, supervise.dead_from_futures(errors))
+                    dead = supervise.dead_from_futures(errors)
+                    return Failed(supervise.failure_from_error(errors[min(errors)], placement, dead), refs,
+                                  clock is not None)
                 if not pending:
                     break
                 # Grow only at a checkpoint boundary: the checkpoint just committed is where the
                 # larger world resumes, so (almost) nothing is recomputed.
                 if saved and devices_now is not None and (now := devices_now()) > devices_at_plan:
-                    raise Regrow(devices_at_plan, now, saved[-1][1], saved[-1][0])
+                    return Regrow(devices_at_plan, now, saved[-1][1], saved[-1][0])
                 if watchdog.hung():
-                    raise_hang(run, placement, watchdog.timeout_s, state.last_step)
+                    return Failed(supervise.hang_failure(run, placement, watchdog.timeout_s, state.last_step), refs,
+                                  clock is not None)
                 # A rank that stopped answering stalls the group at its next collective: once no
                 # step has finished for as long, it is hung, whatever the step timeout says.
                 if (heartbeat is not None and (silent := heartbeat.silent())
                         and watchdog.quiet_s() >= e.silent_after_s):
-                    raise_hang(run, placement, e.silent_after_s, state.last_step, silent)
-        return ray.get(refs)
-    except WorkerFailure as f:
-        f.train_refs = refs  # the survivors' steps, which end once they leave the broken group
-        raise
+                    hung = supervise.hang_failure(run, placement, e.silent_after_s, state.last_step, silent)
+                    return Failed(hung, refs, clock is not None)
+        return Finished(ray.get(refs))
     finally:
-        _last_items(sink, state, run, view, cfg.monitor.log_interval)
+        _last_items(sink, state, run, progress, cfg.monitor.log_interval)
         report.now()  # the state the attempt ended in, whatever ended it; never raises
         ray.kill(sink)
 
@@ -122,15 +151,14 @@ def _last_items(sink, state: RunState, run: RunDir, view: ProgressView, every: i
         pass
 
 
-def _first_step(state: RunState, seconds: float, console: Console) -> None:
+def _first_step(clock: Phases, seconds: float, state: RunState, view: ConsoleView) -> None:
     """The first step after a start or restart closes its clock (record/startup_clock.py)."""
-    phases, state.phases = state.phases, None
-    phases.add("first_step_s", seconds)
-    breakdown = phases.finish()
-    if phases.record is None:
+    clock.add("first_step_s", seconds)
+    breakdown = clock.finish()
+    if clock.record is None:
         state.startup = breakdown
     else:
-        console.print(f"[green]recovered[/] in {escape(describe_phases(breakdown))}")
+        view.recovered(breakdown)
 
 
 def consume(items: list[Message], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:

@@ -5,8 +5,9 @@ imports, the device context, the warm caches), and only the dead or hung ranks' 
 replaced, in their own bundles, so on the same devices. The plan, the placement and the rank
 layout stay; the group re-forms under a new rendezvous and takes its state from the survivors'
 memory where every replica group kept a whole copy (`from_memory`), else from the newest
-checkpoint. Where the survivors cannot stay, `leave` says why in one line and the driver
-restarts the whole world as before (re-probing and re-planning: the world may have changed).
+checkpoint. Whether the survivors may stay is decided before any of this (`recovery.py`); where
+they then cannot (`leave` says why in one line), the driver restarts the whole world
+(re-probing and re-planning: the world may have changed).
 """
 
 from __future__ import annotations
@@ -20,32 +21,6 @@ from ..planning.mesh import Mesh
 from ..runtime.peer_state import PeerRestore
 from .failures import WorkerFailure
 
-
-def precheck(placement, failure: WorkerFailure, keep_survivors: bool) -> str | None:
-    """Why the survivors cannot stay, judged before anything is touched; None when they can."""
-    world = len(placement.actors)
-    if not keep_survivors:
-        return "elastic.keep_survivors=false"
-    if failure.ranks and len(failure.ranks) == world:
-        return "every rank failed"
-    lost = gone_node(failure)
-    if lost:
-        return lost
-    if failure.train_refs is None:
-        return "the failure came before training (its ranks had not started their steps)"
-    return None
-
-
-def gone_node(failure: WorkerFailure) -> str | None:
-    """Why the failure's ranks cannot be replaced where they ran: a node of theirs Ray knows is
-    gone (it says so seconds after the ranks die, so a caller may ask again later)."""
-    if not failure.nodes:
-        return None
-    gone = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
-    lost = sorted(set(failure.nodes) & gone)
-    return f"node {lost[0][:12]} is gone: its ranks cannot be replaced on their own devices" if lost else None
-
-
 KILL_SILENT_WAIT_S = 2.0
 """How long a survivor may take to kill a silent rank of its node; past it Ray's kill does."""
 
@@ -55,9 +30,11 @@ as long: its collective waits on peers that have left, over connections that hav
 (gloo under FSDP2 keeps them open after its group is destroyed; NCCL's abort ends such waits)."""
 
 
-def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int], list[int], str | None]:
+def leave(placement, failure: WorkerFailure, train_refs: list,
+          timeout_s: float) -> tuple[list[int], list[int], str | None]:
     """Every rank not to blame leaves the broken group and stays; the blamed ones are killed, and
-    so is a survivor stuck in its step once the others have left (it is replaced too). Returns
+    so is a survivor stuck in its step once the others have left (it is replaced too).
+    `train_refs`: every rank's step-loop future, which a survivor's ends as it leaves. Returns
     (the ranks to replace, the stuck ones among them, None), or ([], [], why) when no survivor
     left within `timeout_s` and the whole world must restart."""
     failed = set(failure.ranks)
@@ -68,7 +45,7 @@ def leave(placement, failure: WorkerFailure, timeout_s: float) -> tuple[list[int
     placement.restart(sorted(failed))
     for r in survivors:  # NCCL waits end only by abort; it is harmless elsewhere
         placement.actors[r].abort_collectives.remote()
-    rank_of = {failure.train_refs[r]: r for r in survivors}
+    rank_of = {train_refs[r]: r for r in survivors}
     pending, stuck = _wait_to_leave(placement, rank_of, timeout_s)
     if pending:
         return [], [], (f"rank(s) {sorted(rank_of[p] for p in pending)} did not leave the broken collective within "
@@ -132,10 +109,6 @@ def _wait_to_leave(placement, rank_of: dict, timeout_s: float) -> tuple[list, li
             pending = [p for p, s in zip(pending, stages) if s != "training"]
             quiet_since = time.monotonic()
     return pending, sorted(stuck)
-
-
-def describe_kept(world: int, replaced: list[int]) -> str:
-    return f"kept {world - len(replaced)} of {world} ranks, replaced rank(s) {replaced}"
 
 
 def from_memory(placement, replaced: list[int], mesh: Mesh, last_step: int, max_steps: int,

@@ -4,8 +4,8 @@ The driver waits on every rank's `train` future: an actor that dies fails its fu
 Ranks blocked in a collective behind a dead peer (NCCL waits, gloo may error) are not failed:
 the liveness question goes to each actor's `control` concurrency group, which answers while the
 training thread is busy, so only actors that are gone (or stopped) fail to answer. A group
-where no step finishes for too long is hung: every rank's stack is saved, the silent ranks are
-blamed, and the group restarts.
+where no step finishes for too long is hung: every rank's stack is saved and the silent ranks are
+blamed. Either way the result is a `WorkerFailure` record for the driver to decide on.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
+
+from ..record.rundir import RunDir
+from .failures import WorkerFailure
 
 PING_TIMEOUT_S = 10.0
 """How long a live actor may take to answer on its control thread (a loaded host, a GIL held
@@ -123,6 +126,38 @@ def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOU
         (out_dir / f"rank_{rank:04d}.txt").write_text(text)
     answered = {refs[r] for r in ready}
     return Blame(dead=sorted(dead), silent=sorted(set(refs.values()) - answered))
+
+
+def _nodes_of(placement, ranks: list[int]) -> list[str]:
+    return sorted({placement.reports[r]["node_id"] for r in ranks}) if placement.reports else []
+
+
+def failure_from_error(err: Exception, placement, known_dead: dict[int, Exception] | None = None) -> WorkerFailure:
+    """A rank's error as a WorkerFailure naming only the ranks whose actors are dead (or no
+    longer answer): survivors stuck in a collective behind them are not failed.
+    `known_dead`: ranks whose own futures said they died, with what they said."""
+    detected = time.time()
+    node_of = [r["node_id"] for r in placement.reports] if placement.reports else None
+    who = blame(placement.actors, known_dead, node_of)
+    dead = who.ranks
+    kind = "worker died" if dead else "rank raised"
+    lines = str(err).strip().splitlines()
+    detail = next((ln for ln in reversed(lines) if ln.strip()), type(err).__name__)[:200]
+    return WorkerFailure(f"{kind}: {detail}", dead, _nodes_of(placement, dead), detected, silent=who.silent)
+
+
+def hang_failure(run: RunDir, placement, timeout_s: float, step: int, silent: list[int] | None = None) -> WorkerFailure:
+    """No step finished for `timeout_s`, or (`silent`) these ranks' control threads have not
+    answered for `timeout_s` while no step finished: every rank's stacks saved, the silent
+    ones blamed."""
+    detected = time.time()
+    folder = f"stacks/restart_{step:08d}_{time.strftime('%H%M%S')}"
+    # The ranks already known silent are not waited for again: the others answer at once.
+    who = save_stacks(placement.actors, run.path / folder, PING_TIMEOUT_S, silent or [])
+    what = (f"rank(s) {silent} did not answer for {timeout_s:g} s and no step finished after step {step}" if silent
+            else f"no step finished within {timeout_s:.0f} s after step {step}")
+    return WorkerFailure(f"hang: {what}; stacks in {folder}", who.ranks, _nodes_of(placement, who.ranks), detected,
+                         folder, who.silent)
 
 
 class Watchdog:

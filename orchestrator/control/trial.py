@@ -18,17 +18,18 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from ..config import JobConfig
 from ..errors import RunFailed
-from ..planning.calibration import CALIBRATION_FILE, term_ratios
+from ..planning import Plan
+from ..planning.calibration import CALIBRATION_FILE, Calibration, term_ratios
 from ..planning.compile import EAGER
+from ..planning.model_spec import ModelSpec
 from ..planning.trial import WARMUP_STEPS, Candidate
+from ..record.console_view import ConsoleView
 from ..record.rundir import RunDir
 from . import supervise
+from .job_context import JobContext
 from .placement import Placement, cpu_affinity, nccl_settings
 
 
@@ -169,7 +170,7 @@ def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_g
     return m
 
 
-def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topology, console: Console,
+def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topology, view: ConsoleView,
               use_gpu: bool, model_fn, budget_s: float | None) -> list[Measured]:
     """Measure every candidate in turn, then the near ties (`near_ties`) once more in reverse
     order (the placement ends laid out for the last one tried). Under `budget_s`
@@ -180,16 +181,14 @@ def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topo
     spent = 0.0
     for i, c in enumerate(cands):
         if budget_s is not None and out and spent + spent / len(out) > budget_s:
-            console.print(f"trial: stopped after {len(out)} of {len(cands)} plans, at its budget of {budget_s:.0f} s "
-                          f"(parallel.trial_budget)")
+            view.trial_stopped(len(out), len(cands), budget_s)
             break
         t = time.monotonic()
-        with console.status(f"trial {i + 1}/{len(cands)}: {c.label}: {c.plan.strategy} on {c.plan.mesh}"):
+        with view.status(f"trial {i + 1}/{len(cands)}: {c.label}: {c.plan.strategy} on {c.plan.mesh}"):
             m = _measure(cfg, c, placement, topology, use_gpu, model_fn)
         spent += time.monotonic() - t
         if m.failed:
-            console.print(f"[yellow]trial:[/] dropped {escape(c.label)} ({c.plan.strategy} on {c.plan.mesh}): "
-                          f"{escape(m.failed)}")
+            view.trial_dropped(c.label, c.plan, m.failed)
         out.append(m)
     ok = [m for m in out if m.failed is None]
     if not ok:
@@ -199,13 +198,10 @@ def run_trial(cfg: JobConfig, cands: list[Candidate], placement: Placement, topo
     ties = near_ties(out)
     if len(ties) > 1:
         again = spent / len(out) * len(ties)
-        if budget_s is not None and spent + again > budget_s:
-            console.print(f"trial: {len(ties)} plans lie within their own step-to-step spread of the fastest, and "
-                          f"timing them again (about {again:.0f} s) would pass the budget of {budget_s:.0f} s")
-        else:
-            console.print(f"trial: {len(ties)} plans lie within their own step-to-step spread of the fastest; "
-                          "timing them again, in reverse order")
-            _retime(cfg, ties[::-1], placement, topology, console, use_gpu, model_fn)
+        passes_budget = budget_s is not None and spent + again > budget_s
+        view.trial_ties(len(ties), again, budget_s if passes_budget else None)
+        if not passes_budget:
+            _retime(cfg, ties[::-1], placement, topology, view, use_gpu, model_fn)
             if all(m.failed for m in out):
                 raise RunFailed(f"every trial plan failed; the last, {ties[0].candidate.plan.strategy} on "
                                 f"{ties[0].candidate.plan.mesh}: {ties[0].failed}")
@@ -225,20 +221,19 @@ def near_ties(measured: list[Measured]) -> list[Measured]:
     return ties if len(ties) > 1 else []
 
 
-def _retime(cfg: JobConfig, ties: list[Measured], placement: Placement, topology, console: Console, use_gpu: bool,
-            model_fn) -> None:
+def _retime(cfg: JobConfig, ties: list[Measured], placement: Placement, topology, view: ConsoleView,
+            use_gpu: bool, model_fn) -> None:
     """Each near tie's steps once more, added to its first ones: the order reversed, so the plan
     tried first, on the least settled cluster, is now tried last. A plan that fails this time is
     dropped: it cannot be relied on to run."""
     for i, m in enumerate(ties):
         c = m.candidate
-        with console.status(f"trial, again {i + 1}/{len(ties)}: {c.label}: {c.plan.strategy} on {c.plan.mesh}"):
+        with view.status(f"trial, again {i + 1}/{len(ties)}: {c.label}: {c.plan.strategy} on {c.plan.mesh}"):
             again = _measure(cfg, c, placement, topology, use_gpu, model_fn)
         m.setup_s += again.setup_s
         if again.failed:
             m.failed = f"failed when timed again: {again.failed}"
-            console.print(f"[yellow]trial:[/] dropped {escape(c.label)} ({c.plan.strategy} on {c.plan.mesh}): "
-                          f"{escape(m.failed)}")
+            view.trial_dropped(c.label, c.plan, m.failed)
             continue
         m.visits += 1
         m.steps_s += again.steps_s
@@ -282,62 +277,71 @@ def write_calibration(run: RunDir, measured: list[Measured]) -> dict[str, float]
     return ratios
 
 
-def show(console: Console, measured: list[Measured], best: Measured) -> None:
-    table = Table(title="trial: measured on the cluster", title_justify="left")
-    for col in ("plan", "strategy", "mesh", "sync", "predicted s/step", "measured s/step (fastest)", ""):
-        table.add_column(col)
+def table_rows(measured: list[Measured], best: Measured) -> list[tuple[str, ...]]:
+    """The console's trial table: each candidate's plan, prediction and fastest measured step."""
+    rows = []
     for m in measured:
         p = m.candidate.plan
-        table.add_row(m.candidate.label, str(p.strategy), str(p.mesh), str(p.execution.sync_algorithm),
-                      f"{p.step_time.total_s:.3f}", "failed" if m.failed else f"{m.step_s:.3f}",
-                      "kept" if m is best else "")
-    console.print(table)
+        rows.append((m.candidate.label, str(p.strategy), str(p.mesh), str(p.execution.sync_algorithm),
+                     f"{p.step_time.total_s:.3f}", "failed" if m.failed else f"{m.step_s:.3f}",
+                     "kept" if m is best else ""))
+    return rows
 
 
-def conduct(cfg: JobConfig, view, topology, plan, placement: Placement, run: RunDir, console: Console, state,
-            use_gpu: bool, left_out: tuple = ()):
-    """The trial of one run, when `parallel.trial` asks for one and it is worth its cost:
-    returns the plan the run trains with (the placement laid out for it) and records the
-    trial in `state` and plan.json (a skipped trial says why)."""
+@dataclass(frozen=True)
+class TrialResult:
+    """What the run's trial (or its skipping) leaves the driver."""
+
+    plan: Plan
+    """The plan the run trains with; the placement is laid out for it."""
+    section: dict[str, Any]
+    """plan.json's `trial` section (a skipped trial says why)."""
+    kept: Plan | None = None
+    """The plan the trial measured fastest, which a restart on the same world size trains
+    again; None when no trial ran."""
+    cost_s: float | None = None
+    """Seconds the trial took; None when none ran."""
+
+
+def conduct(job: JobContext, plannable, topology, plan: Plan, placement: Placement, spec: ModelSpec | None,
+            model_fn, calibration: Calibration, use_gpu: bool, left_out: tuple = ()) -> TrialResult:
+    """The trial of one run, when `parallel.trial` asks for one and it is worth its cost, over
+    the plannable part `plannable` of `topology`: the plan the run trains with (the placement laid
+    out for it), and the trial's record, also written to plan.json."""
     from ..planning.trial import budget_s, candidates, trial_limit, worth_it
 
-    limit, why = trial_limit(cfg, len(view.nodes))
+    cfg, run, view = job.config, job.run, job.view
+    limit, why = trial_limit(cfg, len(plannable.nodes))
     if not limit:
-        state.trial = skipped(why, [])
-        run.write_json("plan.json", plan_record(plan, state.trial))
-        return plan
-    with console.status("choosing the plans to try"):
-        cands = candidates(cfg, view, plan, limit, state.spec, left_out, state.calibration)
+        section = skipped(why, [])
+        run.write_json("plan.json", plan_record(plan, section))
+        return TrialResult(plan, section)
+    with view.status("choosing the plans to try"):
+        cands = candidates(cfg, plannable, plan, limit, spec, left_out, calibration)
     why = worth_it(cfg, plan, cands)
     if why:
-        state.trial = skipped(why, cands)
-        run.write_json("plan.json", plan_record(plan, state.trial))
-        console.print(f"trial: skipped: {escape(why)}")
-        return plan
+        section = skipped(why, cands)
+        run.write_json("plan.json", plan_record(plan, section))
+        view.trial_skipped(why)
+        return TrialResult(plan, section)
     budget = budget_s(cfg, plan) if cfg.parallel.trial == "auto" else None
-    console.print(f"trial: {len(cands)} plans, {cfg.parallel.trial_steps} timed steps each"
-                  + (f", within {budget:.0f} s" if budget is not None else ""))
+    view.trial_begins(len(cands), cfg.parallel.trial_steps, budget)
     t = time.monotonic()
-    measured = run_trial(cfg, cands, placement, topology, console, use_gpu, state.model_fn, budget)
+    measured = run_trial(cfg, cands, placement, topology, view, use_gpu, model_fn, budget)
     cost = time.monotonic() - t
     best = winner(measured)
-    show(console, measured, best)
+    view.trial_table(table_rows(measured, best))
     ratios = write_calibration(run, measured)
     chosen = best.candidate.plan
     if best.candidate.label != "planned":
         line = overruled_line(best, measured[0])
         chosen = replace(chosen, explanation=tuple(chosen.explanation) + (line,))
-        console.print(f"[green]trial:[/] {escape(line)}")
+        view.trial_overruled(line)
     placement.adopt(chosen)
-    state.trial = record(measured, best, cost, budget, cfg.parallel.trial_steps)
-    state.trial["calibration"] = ratios
-    state.trial_plan = chosen
-    if state.phases is not None:
-        state.phases.add("trial_s", cost)
-    run.write_json("plan.json", plan_record(chosen, state.trial))
-    console.print(f"trial took {cost:.1f} s; {CALIBRATION_FILE} has its measured/predicted ratios "
-                  f"(plan --calibration {run.path})", markup=False)
-    return chosen
+    section = {**record(measured, best, cost, budget, cfg.parallel.trial_steps), "calibration": ratios}
+    run.write_json("plan.json", plan_record(chosen, section))
+    view.trial_took(cost, CALIBRATION_FILE, run.path)
+    return TrialResult(chosen, section, chosen, cost)
 
 
 def plan_record(plan, trial: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,18 +1,16 @@
 """What the driver has seen of a run so far, across restarts: the metrics rows, validation
-losses, checkpoints and restarts the summary and report are written from."""
+losses, checkpoints, restarts and start-up breakdown the summary and report are written from.
+(What the driver needs to go on, the model, the trial's plan, the open start-up clock, is the
+driver's own: `control/driver.py`.)"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..planning import Plan
-from ..planning.calibration import UNCALIBRATED, Calibration
-from ..planning.model_spec import ModelSpec
 from .rundir import RunDir
-from .startup_clock import Phases
 from .straggler import StragglerTracker
 
 METRIC_KEYS = ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s", "grad_norm", "mfu",
@@ -29,22 +27,13 @@ class RunState:
     stragglers: StragglerTracker = field(default_factory=StragglerTracker)
     """Every rank's own step and exposed-communication times (the current world's ranks)."""
     val: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) for every evaluation, the untrained model's first."""
     checkpoints: list[str] = field(default_factory=list)
+    """Every checkpoint a rank reported committed, oldest first."""
     restarts: list[dict[str, Any]] = field(default_factory=list)
-    model_fn: Callable[..., Any] | None = None
-    """The model factory the Python API passed (shipped to the workers by pickling); None: `model.factory`."""
-    spec: ModelSpec | None = None
-    """The measured model the planner prices; None for the built-in GPT (its formulas)."""
-    phases: Phases | None = None
-    """The clock of the start or restart whose first step has not come yet."""
+    """summary.json's record of each restart and regrow, in order."""
     startup: dict[str, Any] | None = None
     """Where the seconds to the run's first step went (`Phases.finish`)."""
-    trial: dict[str, Any] | None = None
-    """plan.json's `trial` section, once the run's trial ran or was skipped (once per run)."""
-    trial_plan: Plan | None = None
-    """The plan the trial kept; a restart on the same world size trains it again."""
-    calibration: Calibration = UNCALIBRATED
-    """What every plan of the run is priced with (`parallel.calibration`)."""
 
     @property
     def last_step(self) -> int:
