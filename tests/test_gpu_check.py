@@ -506,3 +506,95 @@ def test_cpu_smoke_of_doctor_and_the_default_job(tmp_path):
     # The report is written to the check's scratch folder and kept whole in the results.
     assert doctor["verdicts"] == (gpu_check.verdicts(doctor["report"]) if doctor["report"] is not None else [])
     assert sorted(p.name for p in tmp_path.iterdir()) == FILES
+
+
+# --- gpu_check.sh: the wheels that travel, the size, the run on an image without Ray or omegaconf ---
+
+SCRIPT = BENCH / "gpu_check.sh"
+WHEEL = "omegaconf-2.4.0-py3-none-any.whl"
+# As the GPU machine's image: no Ray, and omegaconf only where the script installed it (a folder
+# outside any site-packages), never the one of the Python running the tests.
+IMAGE = """import importlib.machinery, sys
+sys.modules["ray"] = None
+
+
+class OnlyCarried:
+    def find_spec(self, name, path=None, target=None):
+        if name != "omegaconf":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if "site-packages" not in p])
+        if spec is None:
+            raise ModuleNotFoundError("No module named 'omegaconf'", name=name)
+        return spec
+
+
+sys.meta_path.insert(0, OnlyCarried())
+"""
+
+
+def _script(args: list[str], timeout: int = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=_env(PYTHON=sys.executable, **env))
+
+
+def test_the_dry_run_prints_the_recipe_its_header_states(tmp_path):
+    res = _script(["--dry-run"])
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("pip download: python3 -m pip download --no-deps --only-binary=:all: "
+                               "--python-version 3.12 ") and lines[0].endswith(" -d .whl omegaconf==2.4.0")
+    assert lines[1:3] == ['carry: [".whl"]', "command: bash benchmarks/gpu_check.sh"]
+    header = SCRIPT.read_text()
+    for line in lines[:3]:
+        assert line.split(": ", 1)[1] in header
+    assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()  # carried, never committed
+
+
+def test_the_dry_run_names_a_missing_wheel_and_checks_the_size_that_travels(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    res = _script(["--dry-run"], GPU_CHECK_WHEELS=str(wheels))
+    assert res.returncode == 1
+    assert [ln for ln in res.stdout.splitlines() if "missing" in ln] == [
+        f"missing carried wheel: {wheels}/{WHEEL} (make it with: {res.stdout.splitlines()[0].split(': ', 1)[1]})"]
+    (wheels / WHEEL).write_bytes(b"x" * 1000)
+    res = _script(["--dry-run"], GPU_CHECK_WHEELS=str(wheels))
+    assert res.returncode == 0, res.stdout
+    size = res.stdout.splitlines()[-1]
+    assert size.startswith(f"size: the working tree and {wheels}/ hold ")
+    assert size.endswith(" of the 64 MiB that travel")
+    assert 0 < float(size.split(" hold ")[1].split(" MiB")[0]) < 64
+    with open(wheels / "big.whl", "wb") as f:  # sparse: counted at its size, as it would travel
+        f.truncate(65 * 2**20)
+    res = _script(["--dry-run"], GPU_CHECK_WHEELS=str(wheels))
+    assert res.returncode == 1 and res.stdout.splitlines()[-1].startswith("too large to travel: ")
+
+
+def _image(tmp_path: Path) -> str:
+    folder = tmp_path / "image"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(IMAGE)
+    return str(folder)
+
+
+def test_on_the_image_a_missing_wheel_is_one_line_and_the_parts_say_what_they_lack(tmp_path):
+    out = tmp_path / "out"
+    res = _script(["--device", "cpu", "--quick", "--only", "torch_api", "--only", "doctor"], timeout=300,
+                  GPU_CHECK_WHEELS=str(tmp_path / "none"), PYTHONPATH=_image(tmp_path), OUT=str(out))
+    assert res.returncode == 1
+    assert [ln for ln in res.stderr.splitlines() if ln.startswith("missing carried wheel: ")] == [
+        f"missing carried wheel: {tmp_path / 'none'}/{WHEEL} (make it with: python3 -m pip download "
+        + res.stderr.split("(make it with: python3 -m pip download ", 1)[1].split("\n", 1)[0]]
+    api = _result(out, "torch_api")
+    assert "No module named 'omegaconf'" in api["error"] and "\n" not in api["error"]
+    assert _result(out, "doctor")["skipped"] == gpu_check.NO_RAY
+    assert sorted(p.name for p in out.iterdir()) == FILES
+
+
+@pytest.mark.skipif(not (ROOT / ".whl" / WHEEL).is_file(), reason="the carried wheel is not downloaded here")
+def test_on_the_image_the_carried_wheel_is_installed_and_the_parts_run(tmp_path):
+    out = tmp_path / "out"
+    res = _script(["--device", "cpu", "--quick", "--only", "torch_api"], timeout=300,
+                  PYTHONPATH=_image(tmp_path), OUT=str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "missing" not in res.stderr
+    assert _result(out, "torch_api")["modules_failing"] == []
