@@ -140,6 +140,9 @@ TORCH_KEYWORDS: tuple[tuple[str, str, str], ...] = (
     ("torch.distributed", "init_process_group", "device_id"),
     ("torch.distributed.fsdp", "fully_shard", "mp_policy"),
     ("torch.distributed.checkpoint", "load", "no_dist"),
+    ("torch.distributed.checkpoint", "async_save", "process_group"),
+    ("torch.distributed.checkpoint.state_dict", "StateDictOptions", "flatten_optimizer_state_dict"),
+    ("torch.distributed.fsdp", "fully_shard", "reshard_after_forward"),
 )
 # The orchestrator modules the parts import: one that fails to import names its cause first.
 MODULES = ("orchestrator.runtime.trainer", "orchestrator.runtime.checkpoint", "orchestrator.runtime.parallelize",
@@ -1083,6 +1086,8 @@ def run_one_part(args: argparse.Namespace) -> int:
         figures = figures_of(args.part, check)
     finally:
         _close_group()
+    # The clocks as the part's work left them, before its process ends and the device idles.
+    figures["nvml_at_end"] = reading(args.device)
     tmp = args.part_figures.with_name(args.part_figures.name + ".tmp")
     tmp.write_text(json.dumps(figures, indent=1, default=str))
     tmp.replace(args.part_figures)

@@ -598,3 +598,27 @@ def test_on_the_image_the_carried_wheel_is_installed_and_the_parts_run(tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "missing" not in res.stderr
     assert _result(out, "torch_api")["modules_failing"] == []
+
+
+def test_the_compiled_figure_is_of_compiled_steps_only(tmp_path, monkeypatch):
+    # Ten steps: a compiled run that long would time steps 2-9 alternately eager to measure its
+    # gain, and those eager steps would sit in the compiled figure.
+    import torch
+
+    cpu = gpu_check.sizes("cpu", True)
+    monkeypatch.setattr(gpu_check, "sizes", lambda device, quick: {**cpu, "compile_steps": 10})
+    stances = []
+    set_stance = torch.compiler.set_stance
+
+    def spy(*args, **kwargs):
+        stances.append(args[0] if args else kwargs.get("stance"))
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", spy)
+    try:
+        data = gpu_check.compile_part(_check(tmp_path, "cpu"))
+    finally:
+        gpu_check._close_group()
+    assert stances == []  # no step of either run trained with its blocks forced eager
+    assert data["compiled_steps"] == list(range(1, 10))
+    assert data["compiled_step_s"] == statistics.median(data["compiled_step_s_each"][1:])
