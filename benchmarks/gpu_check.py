@@ -67,7 +67,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import tomllib
 from _common import (
     RESULTS,
     ROOT,
@@ -762,13 +761,12 @@ def _version(text: str) -> tuple[int, int]:
 
 
 def torch_floor(pyproject: Path = ROOT / "pyproject.toml") -> str:
-    """The oldest torch the project says it works with: the `torch>=X` of its dependencies."""
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    for dep in deps:
-        found = re.fullmatch(r"torch\s*>=\s*([0-9.]+)\s*(,.*)?", dep)
-        if found:
-            return found.group(1)
-    raise ValueError(f"{pyproject} names no `torch>=` dependency")
+    """The oldest torch the project says it works with: the `"torch>=X` of its dependencies
+    (read as text: Python 3.10, which the project supports, has no TOML reader)."""
+    found = re.search(r"""["']torch\s*>=\s*([0-9][0-9.]*)""", pyproject.read_text())
+    if found is None:
+        raise ValueError(f"{pyproject} names no `torch>=` dependency")
+    return found.group(1).rstrip(".")
 
 
 def below_floor(version: str, floor: str) -> str | None:

@@ -622,3 +622,24 @@ def test_the_compiled_figure_is_of_compiled_steps_only(tmp_path, monkeypatch):
     assert stances == []  # no step of either run trained with its blocks forced eager
     assert data["compiled_steps"] == list(range(1, 10))
     assert data["compiled_step_s"] == statistics.median(data["compiled_step_s_each"][1:])
+
+
+def _untracked() -> set[str]:
+    res = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], capture_output=True,
+                         text=True, cwd=ROOT, check=True)
+    return set(res.stdout.splitlines())
+
+
+def test_nothing_is_written_outside_the_results_and_the_temporary_folder(tmp_path):
+    # A home of its own (caches such as ~/.cache/orchestrator would land there) and the working
+    # tree's files, ignored ones too (bytecode, run directories), before and after.
+    home = tmp_path / "home"
+    home.mkdir()
+    before = _untracked()
+    out = tmp_path / "out"
+    res = _script(["--device", "cpu", "--quick", "--only", "dcp", "--only", "compile"], timeout=400,
+                  GPU_CHECK_WHEELS=str(tmp_path / "none"), HOME=str(home), OUT=str(out))
+    assert "error" not in _result(out, "dcp") and "error" not in _result(out, "compile"), res.stderr[-3000:]
+    assert list(home.iterdir()) == []
+    assert _untracked() == before
+    assert sorted(p.name for p in out.iterdir()) == FILES
