@@ -89,7 +89,7 @@ LOG_FILE = "gpu_check.log"
 JOB = "jobs/llm.yaml"
 # What a part's figures hold, beside part, device and seconds, when the part did not fail.
 FIGURES: dict[str, tuple[str, ...]] = {
-    "torch_api": ("torch", "floor", "apis", "missing"),
+    "torch_api": ("torch", "floor", "apis", "modules"),
     "doctor": ("cli_command", "returncode", "stderr_tail"),
     "default_job": ("cli_command", "first_step_s", "tokens_per_s", "step_s", "mfu", "backend", "plan"),
     "memory_model": ("model", "params", "cases", "max_rel_error"),
@@ -376,6 +376,7 @@ def read_run(run_dir: Path, launched: float) -> dict[str, Any]:
         # The worker stamps each step's row with time.time() when the step ends, on this machine.
         "first_step_s": rows[0]["time"] - launched,
         "tokens_per_s": steady_mean([r["tokens_per_s"] for r in rows]), "step_s": step_s,
+        "step_s_median": median([r["step_s"] for r in rows]),
         "predicted_step_s": plan["step_time"]["total_s"], "mfu": mfu,
         "mfu_from_metrics": steady_mean(metric_mfu) if metric_mfu else None,
         "flops_per_step": model["flops_per_step"], "peak_tflops_per_rank": model["peak_tflops_per_rank"],
@@ -807,7 +808,7 @@ def torch_api(check: Check) -> dict[str, Any]:
     floor = torch_floor()
     figures = {"torch": torch.__version__, "floor": floor, "below_floor": below_floor(torch.__version__, floor),
                "apis": [f"{m}.{n}" for m, n in TORCH_APIS] + [f"{m}.{n}({k}=)" for m, n, k in TORCH_KEYWORDS],
-               "missing": missing or ["none"], "modules": list(MODULES), "modules_failing": broken,
+               "missing": missing, "modules": list(MODULES), "modules_failing": broken,
                "cuda": torch.version.cuda, "nccl": _nccl_version(torch) if check.cuda else None}
     if missing:
         raise PartFailed(f"torch {torch.__version__} lacks {len(missing)} of {len(figures['apis'])} APIs the check "
