@@ -2,46 +2,62 @@
 
     python benchmarks/gpu_check.py [--quick] [--only PART ...] [--device cuda|cpu] [--out DIR]
 
-Six parts, each written to its own DIR/gpu_check_PART.json (DIR is benchmarks/results/gpu/
-unless `--out` names another directory):
+Results go to $OUT when it is set, else to DIR, else to benchmarks/results/gpu/: two files,
+gpu_check.json (every part's figures under `parts`, beside the command, machine and versions)
+and gpu_check.log (what the check and each part printed). Each part runs in a process of its
+own under its own time limit, so a part that hangs or crashes the device loses itself, not the
+others; the SM and memory clocks and the device's whole used memory (NVML) are read before and
+after each. The parts, in the order they run (those that need no Ray first):
 
-* doctor: `python -m orchestrator doctor --out DIR/doctor.json`; its exit code, the tails of
-  its output and the report it wrote.
-* default_job: `python -m orchestrator submit jobs/llm.yaml cluster.num_workers=1 ...`, short;
-  from its run directory: launch to the end of the first step, steady tokens/s, MFU against
-  the peak the plan assumed (plan.json), the backend the worker used (placement.json).
+* torch_api: every torch API the other parts' paths call, imported and looked up on the torch
+  that runs; the torch against the floor pyproject.toml states.
 * memory_model: a ~1B Llama-shaped model at 4,096 tokens, micro-batch 1, bf16, one rank; for
   ddp and zero3 (FSDP2) under each recompute mode, the plan's per-rank memory against
   `torch.cuda.max_memory_allocated()` over a training step of the runtime's Trainer (the
-  second, once AdamW's state exists; the first step's peak is recorded beside it).
-* step_time: the plan's step time against the Trainer's steady step for the built-in GPT at
-  6/512, 12/768 and 24/1024 (layers/width), 1,024 tokens, DDP on one rank.
+  second, once AdamW's state exists; the first step's peak is recorded beside it), and the
+  device's whole footprint then (`torch.cuda.mem_get_info`: the CUDA context, the cuBLAS and
+  NCCL workspaces and the allocator's cache beside the tensors).
+* step_time: the plan's step time against the Trainer's steady step (mean and median) for the
+  built-in GPT at 6/512, 12/768 and 24/1024 (layers/width), 1,024 tokens, DDP on one rank.
 * dcp: a ~100M-parameter GPT with AdamW state under FSDP2, saved by `runtime.checkpoint.save`
   and loaded into a fresh Trainer by `Trainer.load_checkpoint`; whether every tensor came back
   equal, the seconds and the bytes.
 * compile: the built-in GPT at 12/768, 1,024 tokens, DDP on one rank, eager and then with its
-  blocks compiled as the runtime compiles them: the steady steps of each, their ratio, the first
-  compiled step's time over the steady one (the compile), against the planner's
-  `COMPILE_SPEEDUP['gpu']` and `COMPILE_S['gpu']`.
+  blocks compiled as the runtime compiles them: the steady steps of each (named: the compiled
+  figure is of compiled steps only), their ratio, the first compiled step's time over the
+  steady one (the compile), against the planner's `COMPILE_SPEEDUP['gpu']` and `COMPILE_S['gpu']`.
+* doctor (needs Ray): `python -m orchestrator doctor`; its exit code, output tails and report.
+* default_job (needs Ray): `python -m orchestrator submit jobs/llm.yaml cluster.num_workers=1
+  ...`, short; launch to the end of the first step, steady tokens/s, MFU against the peak the
+  plan assumed (plan.json), the backend the worker used (placement.json).
 
-The in-process parts share one process group of one rank (nccl). Each part records its own
-failure as `error` (one line) and the others still run; the exit code is 1 when any part
-failed. Planned to finish in under 10 minutes on one H200; `--quick` halves the Llama and runs
-fewer steps. `--device cpu` is the smoke mode the tests run: every part on CPU with gloo, fp32,
-tiny models and a few steps, the measured memory then being torch's MemTracker peak, and
-`doctor` recorded as whatever the CLI returned.
+Where Ray is not installed, the parts that need it say so in one line and are skipped. Each
+part that fails records its failure as `error` (one line) and the others still run; the exit
+code is 1 when any part failed or the torch is older than the floor. Sized for one H100 to
+finish in under 6 minutes (`--quick`: under 3), each part's time limit included. Nothing is
+written outside the results folder and one temporary folder (scratch, run directories and the
+compilers' and the orchestrator's caches). `--device cpu` is the smoke mode the tests run:
+every part on CPU with gloo, fp32, tiny models and a few steps, the measured memory then being
+torch's MemTracker peak, and `doctor` recorded as whatever the CLI returned.
+benchmarks/gpu_check.sh carries what the GPU machine's image lacks and runs this there.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import getpass
+import importlib
+import importlib.util
+import inspect
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,7 +65,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from _common import (
     RESULTS,
@@ -66,21 +82,70 @@ from _common import (
 )
 
 OUT = RESULTS / "gpu"
+OUT_ENV = "OUT"
+"""The folder the GPU machine brings back: where results go when it is set."""
+RESULT_FILE = "gpu_check.json"
+LOG_FILE = "gpu_check.log"
 JOB = "jobs/llm.yaml"
-PARTS = ("doctor", "default_job", "memory_model", "step_time", "dcp", "compile")
-# What a part's JSON holds, beside part, device and seconds, when the part did not fail.
+# What a part's figures hold, beside part, device and seconds, when the part did not fail.
 FIGURES: dict[str, tuple[str, ...]] = {
+    "torch_api": ("torch", "floor", "apis", "modules"),
     "doctor": ("cli_command", "returncode", "stderr_tail"),
     "default_job": ("cli_command", "first_step_s", "tokens_per_s", "step_s", "mfu", "backend", "plan"),
     "memory_model": ("model", "params", "cases", "max_rel_error"),
     "step_time": ("steps", "cases", "mean_abs_rel_error"),
     "dcp": ("params", "bytes", "save_s", "load_s", "tensors", "equal"),
-    "compile": ("eager_step_s", "compiled_step_s", "speedup", "compile_s", "predicted_speedup", "predicted_compile_s"),
+    "compile": ("eager_step_s", "compiled_step_s", "speedup", "compile_s", "predicted_speedup", "predicted_compile_s",
+                "compiled_steps"),
 }
 STRATEGIES = ("ddp", "zero3")
 RECOMPUTE = ("none", "selective", "full")
 TAIL_LINES = 20
 LLAMA = "model.factory=orchestrator.workloads.llama:build"
+CPU_PART_TIMEOUT_S = 300
+"""Each part's time limit in the CPU smoke mode, whose parts take seconds: only a hang reaches it."""
+STOP_GRACE_S = 10
+"""Seconds a part past its time limit has after SIGTERM before SIGKILL."""
+NO_RAY = "skipped: Ray is not installed here, and this part goes through the CLI, which starts Ray"
+# Every torch API the parts' paths call that an older torch may lack: (module, attribute).
+TORCH_APIS: tuple[tuple[str, str], ...] = (
+    ("torch.compiler", "set_stance"),
+    ("torch.nn.utils", "get_total_norm"),
+    ("torch.nn.utils", "clip_grads_with_norm_"),
+    ("torch.distributed.fsdp", "fully_shard"),
+    ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed.fsdp", "MixedPrecisionPolicy"),
+    ("torch.distributed.tensor", "DTensor"),
+    ("torch.distributed.tensor", "distribute_tensor"),
+    ("torch.distributed.device_mesh", "init_device_mesh"),
+    ("torch.distributed", "reduce_scatter_tensor"),
+    ("torch.distributed", "all_gather_into_tensor"),
+    ("torch.distributed", "get_process_group_ranks"),
+    ("torch.distributed.checkpoint", "async_save"),
+    ("torch.distributed.checkpoint.state_dict_saver", "AsyncSaveResponse"),
+    ("torch.distributed.checkpoint.state_dict", "get_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "set_state_dict"),
+    ("torch.distributed.checkpoint.state_dict", "StateDictOptions"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
+    ("torch.distributed._tools.mem_tracker", "MemTracker"),
+    ("torch.distributed._tools.mem_tracker", "_MemRefType"),
+    ("torch.distributed.pipelining", "PipelineStage"),
+    ("torch.utils.flop_counter", "FlopCounterMode"),
+    ("torch.amp", "GradScaler"),
+    ("torch.cuda", "mem_get_info"),
+)
+# Keyword arguments of those APIs that an older torch may not take: (module, function, keyword).
+TORCH_KEYWORDS: tuple[tuple[str, str, str], ...] = (
+    ("torch.distributed", "init_process_group", "device_id"),
+    ("torch.distributed.fsdp", "fully_shard", "mp_policy"),
+    ("torch.distributed.checkpoint", "load", "no_dist"),
+    ("torch.distributed.checkpoint", "async_save", "process_group"),
+    ("torch.distributed.checkpoint.state_dict", "StateDictOptions", "flatten_optimizer_state_dict"),
+    ("torch.distributed.fsdp", "fully_shard", "reshard_after_forward"),
+)
+# The orchestrator modules the parts import: one that fails to import names its cause first.
+MODULES = ("orchestrator.runtime.trainer", "orchestrator.runtime.checkpoint", "orchestrator.runtime.parallelize",
+           "orchestrator.planning", "orchestrator.config", "orchestrator.control.preflight")
 
 
 def llama(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int) -> list[str]:
@@ -98,9 +163,11 @@ def sizes(device: str, quick: bool) -> dict[str, Any]:
         return {
             "job_steps": 50 if quick else 100, "job_extra": [], "doctor_timeout_s": 120, "job_timeout_s": 180,
             # 0.89B parameters (TinyLlama's width, FFN and vocabulary, 16 layers); --quick keeps 8 layers.
+            # About 0.2 TFLOP a step: the six cases' steps take seconds, their trainers' setup the rest.
             "memory_model": llama(2048, 8 if quick else 16, 16, 8, 5632, 32000), "memory_seq": 4096,
             "step_models": {"gpt 6/512": gpt(6, 512, 8), "gpt 12/768": gpt(12, 768, 12),
                             "gpt 24/1024": gpt(24, 1024, 16)},
+            # The largest, 0.35B parameters x 32,768 tokens, is ~70 TFLOP a step: ~0.15 s at 450 TFLOP/s.
             "step_block": 1024, "step_batch": 32, "step_steps": 12 if quick else 30,
             # 14 x 768 wide: 100M parameters (29M with --quick).
             "dcp_model": gpt(4 if quick else 14, 768, 12), "dcp_block": 1024, "dcp_batch": 8,
@@ -136,10 +203,15 @@ class Check:
     """What every part needs: the device, the sizes, where results and scratch files go."""
 
     device: str
+    """cuda or cpu."""
     quick: bool
+    """The smaller sizes."""
     out: Path
+    """The results folder."""
     work: Path
+    """This part's scratch folder, inside the check's temporary folder."""
     t0: float
+    """time.perf_counter() at the check's start, for the log's timestamps."""
 
     @property
     def size(self) -> dict[str, Any]:
@@ -162,6 +234,20 @@ class Check:
         print(f"[{time.perf_counter() - self.t0:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
+def median(values: list[float]) -> float:
+    """The median of the steady steps (`steady_mean`'s rule for which steps count)."""
+    return statistics.median(values[min(len(values) // 5, 10):] or values)
+
+
+def device_footprint(cuda: Any) -> dict[str, int]:
+    """The device's whole used memory as the driver counts it (`mem_get_info`: the CUDA context,
+    library workspaces and the allocator's cache beside the tensors) and the allocator's own
+    figures; `cuda` is torch.cuda."""
+    free, total = cuda.mem_get_info()
+    return {"device_used_bytes": int(total - free), "device_total_bytes": int(total),
+            "allocated_bytes": int(cuda.memory_allocated()), "reserved_bytes": int(cuda.memory_reserved())}
+
+
 # --- commands ---------------------------------------------------------------------------------
 
 def _size(n: float) -> str:
@@ -172,10 +258,10 @@ def _tail(text: str, n: int = TAIL_LINES) -> list[str]:
     return text.rstrip().splitlines()[-n:] if text.strip() else []
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """SIGTERM to the command's own session (submit then stops its workers and its Ray cluster),
-    SIGKILL to what is left after 30 s."""
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    SIGKILL to what is left after `grace_s`."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -240,7 +326,7 @@ def verdicts(report: Any) -> list[str]:
 def doctor(check: Check) -> dict[str, Any]:
     """The doctor CLI as a user runs it. On CUDA a missing report or a non-zero exit (a node
     that fails its checks) is a failure; on CPU the check only records what the CLI did."""
-    report = check.out / "doctor.json"
+    report = check.work / "doctor.json"
     report.unlink(missing_ok=True)  # a report left by an earlier check must not pass for this one's
     res = run_command(doctor_command(report), check.size["doctor_timeout_s"], check.work / "doctor")
     figures = {**_kept(res), "report_path": str(report), "report": None, "verdicts": []}
@@ -290,6 +376,7 @@ def read_run(run_dir: Path, launched: float) -> dict[str, Any]:
         # The worker stamps each step's row with time.time() when the step ends, on this machine.
         "first_step_s": rows[0]["time"] - launched,
         "tokens_per_s": steady_mean([r["tokens_per_s"] for r in rows]), "step_s": step_s,
+        "step_s_median": median([r["step_s"] for r in rows]),
         "predicted_step_s": plan["step_time"]["total_s"], "mfu": mfu,
         "mfu_from_metrics": steady_mean(metric_mfu) if metric_mfu else None,
         "flops_per_step": model["flops_per_step"], "peak_tflops_per_rank": model["peak_tflops_per_rank"],
@@ -413,7 +500,9 @@ def _peak_bytes(check: Check, tr) -> dict[str, Any]:
         tr.train_step(1)
         return {"measured_peak_bytes": torch.cuda.max_memory_allocated(), "first_step_peak_bytes": first,
                 "reserved_peak_bytes": torch.cuda.max_memory_reserved(),
-                "measured_by": "torch.cuda.max_memory_allocated"}
+                "measured_by": "torch.cuda.max_memory_allocated",
+                # What decides whether a plan that fits is safe: the whole device, not the tensors.
+                "footprint": device_footprint(torch.cuda)}
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tr.train_step(0)
@@ -423,7 +512,7 @@ def _peak_bytes(check: Check, tr) -> dict[str, Any]:
         tr.train_step(1)
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     return {"measured_peak_bytes": int(peak), "first_step_peak_bytes": None, "reserved_peak_bytes": None,
-            "measured_by": "torch MemTracker (CPU)"}
+            "measured_by": "torch MemTracker (CPU)", "footprint": None}
 
 
 def _measure_memory(check: Check, cfg, plan) -> dict[str, Any]:
@@ -500,9 +589,13 @@ def memory_model(check: Check) -> dict[str, Any]:
 
 
 def _measure_steps(check: Check, cfg, plan, steps: int) -> dict[str, Any]:
+    import torch
+
     tr = trainer(check, cfg, plan)
     times = [tr.train_step(i).step_s for i in range(steps)]
-    return {"step_s_each": times, "measured_step_s": steady_mean(times), "tokens_per_step": tr.tokens_per_step}
+    return {"step_s_each": times, "measured_step_s": steady_mean(times), "median_step_s": median(times),
+            "tokens_per_step": tr.tokens_per_step,
+            "footprint": device_footprint(torch.cuda) if check.cuda else None}
 
 
 def step_case(check: Check, label: str, overrides: list[str], steps: int) -> dict[str, Any]:
@@ -658,10 +751,86 @@ def dcp(check: Check) -> dict[str, Any]:
     return figures
 
 
-# --- the check --------------------------------------------------------------------------------
+# --- torch_api --------------------------------------------------------------------------------
+
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as 2.11.0+cu130."""
+    found = re.match(r"(\d+)\.(\d+)", text)
+    if found is None:
+        raise ValueError(f"a version starts with MAJOR.MINOR, got {text!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def torch_floor(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The oldest torch the project says it works with: the `"torch>=X` of its dependencies
+    (read as text: Python 3.10, which the project supports, has no TOML reader)."""
+    found = re.search(r"""["']torch\s*>=\s*([0-9][0-9.]*)""", pyproject.read_text())
+    if found is None:
+        raise ValueError(f"{pyproject} names no `torch>=` dependency")
+    return found.group(1).rstrip(".")
+
+
+def below_floor(version: str, floor: str) -> str | None:
+    """One line saying that torch `version` is older than `floor`; None when it is not."""
+    if _version(version) >= _version(floor):
+        return None
+    return f"torch {version} is older than the floor {floor} that pyproject.toml states; the parts run on regardless"
+
+
+def missing_apis() -> list[str]:
+    """`module.name` of each of TORCH_APIS and TORCH_KEYWORDS this torch lacks, why beside it."""
+    missing = []
+    for module, name in TORCH_APIS:
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{module}.{name}")
+        except ImportError as e:
+            missing.append(f"{module}.{name} ({one_line(e)})")
+    for module, name, keyword in TORCH_KEYWORDS:
+        fn = getattr(importlib.import_module(module), name, None)
+        if fn is None or keyword not in inspect.signature(fn).parameters:
+            missing.append(f"{module}.{name}({keyword}=)")
+    return missing
+
+
+def torch_api(check: Check) -> dict[str, Any]:
+    """What the other parts would otherwise find one failure at a time: an API this torch lacks,
+    or an orchestrator module that does not import here."""
+    import torch
+
+    missing = missing_apis()
+    broken = []
+    for module in MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - every module's failure is recorded, not only the first
+            broken.append(f"{module}: {one_line(e)}")
+    floor = torch_floor()
+    figures = {"torch": torch.__version__, "floor": floor, "below_floor": below_floor(torch.__version__, floor),
+               "apis": [f"{m}.{n}" for m, n in TORCH_APIS] + [f"{m}.{n}({k}=)" for m, n, k in TORCH_KEYWORDS],
+               "missing": missing, "modules": list(MODULES), "modules_failing": broken,
+               "cuda": torch.version.cuda, "nccl": _nccl_version(torch) if check.cuda else None}
+    if missing:
+        raise PartFailed(f"torch {torch.__version__} lacks {len(missing)} of {len(figures['apis'])} APIs the check "
+                         f"calls: {', '.join(missing)}", figures)
+    if broken:
+        raise PartFailed(f"{len(broken)} of {len(MODULES)} modules do not import: {broken[0]}", figures)
+    return figures
+
+
+def _nccl_version(torch) -> str | None:
+    try:
+        return ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception as e:  # noqa: BLE001 - a torch built without NCCL says so here, not as a crash
+        return one_line(e)
+
+
+# --- compile ----------------------------------------------------------------------------------
 
 def compile_part(check: Check) -> dict[str, Any]:
-    """Eager against per-block compiled steps of one GPT, and what the first compiled step cost."""
+    """Eager against per-block compiled steps of one GPT, and what the first compiled step cost.
+    The compiled run is planned as priced from a measured gain, so the runtime trains every
+    step compiled instead of timing some eager; the figures name the steps they are of."""
     from dataclasses import replace
 
     from orchestrator.planning.compile import COMPILE_S, COMPILE_SPEEDUP, CompilePlan
@@ -678,31 +847,67 @@ def compile_part(check: Check) -> dict[str, Any]:
     _free(check)
     check.log(f"compile: compiled, {steps} steps")
     compiled_plan = replace(plan, compile=CompilePlan(True, "true", COMPILE_S[plan.execution.device], 0.0, steps,
-                                                      "compiled for the check"))
+                                                      "compiled for the check", measured=True))
     compiled = _measure_steps(check, cfg, compiled_plan, steps)
     device = plan.execution.device
-    e, c = eager["measured_step_s"], compiled["measured_step_s"]
+    # Step 0 compiles; the steady figures are of the steps after it, each run's own.
+    timed = list(range(1, steps))
+    e_times = [eager["step_s_each"][i] for i in timed]
+    c_times = [compiled["step_s_each"][i] for i in timed]
+    e, c = statistics.median(e_times), statistics.median(c_times)
     figures = {"overrides": overrides, "steps": steps, "params": plan.model.params,
+               "eager_steps": timed, "compiled_steps": timed,
                "eager_step_s": e, "compiled_step_s": c, "speedup": e / c,
+               "eager_step_s_mean": statistics.fmean(e_times), "compiled_step_s_mean": statistics.fmean(c_times),
                "compile_s": max(0.0, compiled["step_s_each"][0] - c),
                "eager_step_s_each": eager["step_s_each"], "compiled_step_s_each": compiled["step_s_each"],
+               "footprint": compiled["footprint"],
                "predicted_speedup": COMPILE_SPEEDUP[device], "predicted_compile_s": COMPILE_S[device]}
-    print_table(f"per-block compile, GPT {s['compile_model']}, one rank on {check.device}",
+    print_table(f"per-block compile, GPT {s['compile_model']}, one rank on {check.device}, medians of steps "
+                f"{timed[0]}-{timed[-1]}",
                 ["eager ms", "compiled ms", "speedup (whole step)", "predicted (blocks)", "compile s", "predicted s"],
                 [[e * 1e3, c * 1e3, e / c, COMPILE_SPEEDUP[device], figures["compile_s"], COMPILE_S[device]]])
     return figures
 
 
-PART_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
-    "doctor": doctor, "default_job": default_job, "memory_model": memory_model, "step_time": step_time, "dcp": dcp,
-    "compile": compile_part,
-}
+# --- the parts and their runner ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Part:
+    """One part of the check: what it runs and under which limit."""
+
+    name: str
+    """Its name on the command line (`--only`) and in the results."""
+    function: Callable[[Check], dict[str, Any]]
+    """Runs the part in its own process and returns its figures; raises PartFailed (or anything) on failure."""
+    timeout_s: tuple[float, float]
+    """Seconds the part's process may take on the GPU: (full run, --quick). Setup included."""
+    needs_ray: bool = False
+    """The part goes through the CLI, which starts Ray: skipped where Ray is not installed."""
 
 
-def run_part(name: str, check: Check, args: argparse.Namespace) -> dict[str, Any]:
-    """One part, its failure caught and recorded; its JSON written either way."""
+PART_TABLE: tuple[Part, ...] = (
+    Part("torch_api", torch_api, (30, 15)),
+    Part("memory_model", memory_model, (100, 45)),
+    Part("step_time", step_time, (60, 30)),
+    Part("dcp", dcp, (60, 30)),
+    Part("compile", compile_part, (100, 60)),
+    Part("doctor", doctor, (150, 150), needs_ray=True),
+    Part("default_job", default_job, (240, 200), needs_ray=True),
+)
+PARTS = tuple(p.name for p in PART_TABLE)
+PART_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {p.name: p.function for p in PART_TABLE}
+
+
+def part_timeout_s(part: Part, device: str, quick: bool) -> float:
+    if device != "cuda":
+        return CPU_PART_TIMEOUT_S
+    return part.timeout_s[1] if quick else part.timeout_s[0]
+
+
+def figures_of(name: str, check: Check) -> dict[str, Any]:
+    """One part's figures, its failure caught and recorded as `error` in one line."""
     check.log(f"{name}: start")
-    t0 = time.perf_counter()
     try:
         figures = PART_FUNCTIONS[name](check)
     except PartFailed as e:
@@ -712,17 +917,134 @@ def run_part(name: str, check: Check, args: argparse.Namespace) -> dict[str, Any
     except BaseException as e:  # noqa: BLE001 - one part's failure must not stop the others (DCP's is a BaseException)
         figures = {"error": one_line(e)}
     _free(check)
-    result = {"part": name, "device": check.device, "seconds": time.perf_counter() - t0, **figures}
-    part_args = argparse.Namespace(**{**vars(args), "out": check.out / f"gpu_check_{name}.json"})
-    path = write_result("gpu_check", result, part_args)
-    check.log(f"{name}: {'FAILED: ' + result['error'] if 'error' in result else 'done'}; wrote {path}")
-    return result
+    return figures
+
+
+def scratch_env(tmp: Path, device: str) -> dict[str, str]:
+    """A part's environment: every cache and scratch file it or a compiler writes lands in `tmp`
+    (the GPU machine keeps nothing else), and no Python bytecode beside the sources. On CPU the
+    compiler's cache stays where inductor keeps it by default (in the system's temporary
+    folder), so that a smoke run compiles from what the last one left, as a user's runs do."""
+    env = child_env()
+    folders = {"TMPDIR": "tmp", "XDG_CACHE_HOME": "cache", "ORCHESTRATOR_CACHE_DIR": "cache/orchestrator",
+               "ORCHESTRATOR_MEASURE_CACHE": "cache/orchestrator-measure", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+               "TRITON_CACHE_DIR": "triton/cache", "TRITON_HOME": "triton", "CUDA_CACHE_PATH": "cuda-cache",
+               "TORCH_HOME": "torch", "RAY_TMPDIR": "tmp"}
+    for var, sub in folders.items():
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(tmp / sub)
+    if device != "cuda":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.pop(OUT_ENV, None)  # a part writes only its figures, where the runner says
+    return env
+
+
+def part_command(name: str, device: str, quick: bool, figures_path: Path) -> list[str]:
+    """The command that runs one part in a process of its own and writes its figures as JSON."""
+    return [python(), str(Path(__file__).resolve()), "--device", device, *(["--quick"] if quick else []),
+            "--part", name, "--part-figures", str(figures_path)]
+
+
+def nvml_reading(nvml: Any) -> dict[str, Any]:
+    """Device 0's SM and memory clocks, temperature and whole used memory by NVML (no CUDA
+    context needed); what NVML does not answer is recorded as such. `nvml` is pynvml."""
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - no driver, no NVML: the reading says so
+        return {"error": one_line(e)}
+    try:
+        h = nvml.nvmlDeviceGetHandleByIndex(0)
+        out: dict[str, Any] = {}
+        for key, read in (("sm_mhz", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)),
+                          ("memory_mhz", lambda: nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_MEM)),
+                          ("temperature_c", lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)),
+                          ("used_bytes", lambda: int(nvml.nvmlDeviceGetMemoryInfo(h).used))):
+            try:
+                out[key] = read()
+            except Exception as e:  # noqa: BLE001 - a reading this driver does not give
+                out[key] = None
+                out.setdefault("unanswered", []).append(f"{key}: {one_line(e)}")
+        return out
+    except Exception as e:  # noqa: BLE001
+        return {"error": one_line(e)}
+    finally:
+        nvml.nvmlShutdown()
+
+
+def reading(device: str) -> dict[str, Any] | None:
+    """The clocks and used memory of the GPU around a part; None on CPU."""
+    if device != "cuda":
+        return None
+    try:
+        import pynvml
+    except ImportError as e:
+        return {"error": one_line(e)}
+    return nvml_reading(pynvml)
+
+
+class Runner:
+    """Runs each part in a process of its own, under its own time limit, its output appended to
+    the log; what a part that crashed or hung leaves is one line of `error`."""
+
+    def __init__(self, device: str, quick: bool, tmp: Path, log: IO[str], t0: float) -> None:
+        self.device, self.quick, self.tmp, self.log_file, self.t0 = device, quick, tmp, log, t0
+        self.env = scratch_env(tmp, device)
+
+    def log(self, message: str) -> None:
+        line = f"[{time.perf_counter() - self.t0:6.1f} s] {message}"
+        print(line, file=sys.stderr, flush=True)
+        print(line, file=self.log_file, flush=True)
+
+    def part(self, part: Part) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        before = reading(self.device)
+        figures = self._figures(part)
+        result = {"part": part.name, "device": self.device, "seconds": time.perf_counter() - t0,
+                  "timeout_s": part_timeout_s(part, self.device, self.quick), **figures,
+                  "nvml_before": before, "nvml_after": reading(self.device)}
+        said = result.get("error") or result.get("skipped")
+        self.log(f"{part.name}: {'FAILED: ' + said if 'error' in result else said or 'done'}"
+                 f" ({result['seconds']:.1f} s)")
+        return result
+
+    def _figures(self, part: Part) -> dict[str, Any]:
+        if part.needs_ray and importlib.util.find_spec("ray") is None:
+            return {"skipped": NO_RAY}
+        path = self.tmp / "figures" / f"{part.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        timeout_s = part_timeout_s(part, self.device, self.quick)
+        self.log_file.flush()
+        start = self.log_file.tell()
+        cmd = part_command(part.name, self.device, self.quick, path)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self.log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc, STOP_GRACE_S)
+            return {"error": f"ran past its time limit of {timeout_s:.0f} s and was stopped"}
+        if path.is_file():
+            return json.loads(path.read_text())
+        return {"error": self._died(proc.returncode, start)}
+
+    def _died(self, code: int, start: int) -> str:
+        """Why a part's process ended without its figures, in one line."""
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        with open(self.log_file.name, errors="replace") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        return f"its process {how} before writing its figures" + (f": {lines[-1]}" if lines else "")
 
 
 def headline(name: str, r: dict[str, Any]) -> str:
     """The figure a reader wants first from a part."""
     if "error" in r:
         return r["error"]
+    if "skipped" in r:
+        return r["skipped"]
+    if name == "torch_api":
+        return f"torch {r['torch']} (floor {r['floor']}): all {len(r['apis'])} APIs there"
     if name == "doctor":
         said = "; ".join(r["verdicts"]) or f"report {'written' if r['report'] is not None else 'missing'}"
         return f"exit {r['returncode']}, {said}"
@@ -738,8 +1060,10 @@ def headline(name: str, r: dict[str, Any]) -> str:
     if name == "compile":
         return (f"compiled {r['speedup']:.2f}x eager (blocks predicted {r['predicted_speedup']:.2f}x), compile "
                 f"{r['compile_s']:.1f} s (predicted {r['predicted_compile_s']:.1f} s)")
-    return (f"{r['bytes'] / 1e9:.2f} GB, save {r['save_s']:.2f} s, load {r['load_s']:.2f} s, "
-            f"{r['tensors']} tensors {'equal' if r['equal'] else 'DIFFER'}")
+    if name == "dcp":
+        return (f"{r['bytes'] / 1e9:.2f} GB, save {r['save_s']:.2f} s, load {r['load_s']:.2f} s, "
+                f"{r['tensors']} tensors {'equal' if r['equal'] else 'DIFFER'}")
+    return "done"
 
 
 def options(ap) -> None:
@@ -747,35 +1071,71 @@ def options(ap) -> None:
                     help=f"run this part only (repeatable): {', '.join(PARTS)}")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda (the check); cpu: every part on CPU, tiny sizes (the tests' smoke mode)")
+    # How the runner starts one part in its own process: not for a user's command line.
+    ap.add_argument("--part", choices=PARTS, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--part-figures", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def run_one_part(args: argparse.Namespace) -> int:
+    """The process of one part: its figures to `--part-figures`, its scratch beside them."""
+    work = Path(tempfile.mkdtemp(prefix=f"{args.part}-"))  # TMPDIR: the runner's temporary folder
+    check = Check(device=args.device, quick=args.quick, out=args.part_figures.parent, work=work,
+                  t0=time.perf_counter())
+    try:
+        figures = figures_of(args.part, check)
+    finally:
+        _close_group()
+    # The clocks as the part's work left them, before its process ends and the device idles.
+    figures["nvml_at_end"] = reading(args.device)
+    tmp = args.part_figures.with_name(args.part_figures.name + ".tmp")
+    tmp.write_text(json.dumps(figures, indent=1, default=str))
+    tmp.replace(args.part_figures)
+    return 0
+
+
+def results_folder(args: argparse.Namespace) -> Path:
+    """$OUT when set (the folder the GPU machine brings back), else `--out`, else results/gpu/."""
+    return Path(os.environ[OUT_ENV]) if os.environ.get(OUT_ENV) else args.out or OUT
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__, argv, options)
+    if args.part is not None:
+        if args.part_figures is None:
+            raise SystemExit("--part needs --part-figures")
+        return run_one_part(args)
     names = [p for p in PARTS if p in (args.only or PARTS)]
-    if args.device == "cuda":
-        import torch
+    import torch
 
+    if args.device == "cuda":
         from orchestrator.errors import UserError
 
         if not torch.cuda.is_available():
             raise UserError("no CUDA device here; `--device cpu` runs every part on CPU (the smoke mode)")
-    out = args.out or OUT
+    out = results_folder(args)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    floor = torch_floor()
+    problems = [p for p in [below_floor(torch.__version__, floor)] if p]
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        check = Check(device=args.device, quick=args.quick, out=out, work=Path(tmp), t0=t0)
-        check.log(f"gpu check on {args.device}: {', '.join(names)}")
-        try:
-            for name in names:
-                results[name] = run_part(name, check, args)
-        finally:
-            _close_group()
-    print_table(f"gpu check on {args.device}{' (quick)' if args.quick else ''}, "
-                f"{time.perf_counter() - t0:.0f} s, results in {out}",
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp, open(out / LOG_FILE, "w") as log:
+        runner = Runner(args.device, args.quick, Path(tmp), log, t0)
+        runner.log(f"gpu check on {args.device}{' (quick)' if args.quick else ''}: {', '.join(names)}; "
+                   f"torch {torch.__version__}, results in {out}")
+        for problem in problems:
+            runner.log(problem)
+        for part in PART_TABLE:
+            if part.name in names:
+                results[part.name] = runner.part(part)
+    seconds = time.perf_counter() - t0
+    path = write_result("gpu_check", {"device": args.device, "seconds": seconds, "torch_floor": floor,
+                                      "problems": problems, "parts": results},
+                        argparse.Namespace(**{**vars(args), "out": out / RESULT_FILE}))
+    print_table(f"gpu check on {args.device}{' (quick)' if args.quick else ''}, {seconds:.0f} s, results in {path}",
                 ["part", "status", "seconds", "result"],
-                [[n, "FAILED" if "error" in r else "ok", r["seconds"], headline(n, r)] for n, r in results.items()])
-    return 1 if any("error" in r for r in results.values()) else 0
+                [[n, "FAILED" if "error" in r else "skipped" if "skipped" in r else "ok", r["seconds"],
+                  headline(n, r)] for n, r in results.items()])
+    return 1 if problems or any("error" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "rehearsal": ("cases", "max_memory_error", "max_bytes_error", "goal"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),
     "cost_model_shaped": ("shapings", "mean_error", "goal"),
-    "gpu_check": ("part", "device", "seconds"),
+    "gpu_check": ("parts", "device", "seconds"),
     "large_model_cpu": ("params", "ranks", "loss", "plan_memory_per_rank"),
     "memory_model": ("world", "models", "max_error", "goal"),
     "narayanan_ptdp": ("rows", "zero3_vs_ptdp", "flops_counted"),
