@@ -30,6 +30,7 @@ from ..planning.render import render_svg as layout_svg
 from ..planning.render import render_text as plan_text
 from ..topology.model import ClusterTopology
 from ..topology.render import render_svg as topology_svg
+from ..units import format_bytes
 from .curve import loss_svg
 from .rundir import RunDir
 from .straggler import SLOW_FACTOR
@@ -184,8 +185,7 @@ def fmt_s(x: Any) -> str:
 
 
 def fmt_bytes(x: Any) -> str:
-    v = num(x)
-    return "-" if v is None else f"{v / 2**30:,.2f} GiB" if abs(v) >= 2**30 else f"{v / 2**20:,.1f} MiB"
+    return format_bytes(num(x), binary=True)
 
 
 def fmt_num(x: Any, spec: str = ",.0f") -> str:
