@@ -50,6 +50,7 @@ def _positive(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_writes_every_part_through_write_result(smoke):
     out, res = smoke
     for part in IN_PROCESS:
@@ -66,6 +67,7 @@ def test_cpu_smoke_writes_every_part_through_write_result(smoke):
     assert not (out / "doctor.json").exists()  # doctor was not asked for
 
 
+@pytest.mark.slow
 def test_cpu_smoke_memory_model_sets_the_plan_against_a_measured_peak(smoke):
     data = _result(smoke[0], "memory_model")
     got = {(c["strategy"], c["recompute"]) for c in data["cases"]}
@@ -83,6 +85,7 @@ def test_cpu_smoke_memory_model_sets_the_plan_against_a_measured_peak(smoke):
     assert data["max_rel_error"] == max(c["rel_error"] for c in data["cases"])
 
 
+@pytest.mark.slow
 def test_cpu_smoke_step_time_measures_every_size(smoke):
     data = _result(smoke[0], "step_time")
     assert [c["case"] for c in data["cases"]] == list(gpu_check.sizes("cpu", True)["step_models"])
@@ -93,6 +96,7 @@ def test_cpu_smoke_step_time_measures_every_size(smoke):
     assert [c["params"] for c in data["cases"]] == sorted(c["params"] for c in data["cases"])
 
 
+@pytest.mark.slow
 def test_cpu_smoke_compile_times_both_modes_and_the_compile(smoke):
     data = _result(smoke[0], "compile")
     assert len(data["eager_step_s_each"]) == len(data["compiled_step_s_each"]) == data["steps"]
@@ -102,6 +106,7 @@ def test_cpu_smoke_compile_times_both_modes_and_the_compile(smoke):
     assert data["compile_s"] == pytest.approx(data["compiled_step_s_each"][0] - data["compiled_step_s"])
 
 
+@pytest.mark.slow
 def test_cpu_smoke_dcp_loads_back_exactly_what_it_saved(smoke):
     data = _result(smoke[0], "dcp")
     assert data["equal"] is True and data["mismatched"] == []

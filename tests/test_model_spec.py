@@ -171,7 +171,7 @@ def test_bad_models_fail_in_one_line_naming_the_key(tmp_path, monkeypatch, facto
 
 
 @pytest.mark.parametrize("factory, message", [
-    ("no_such_module_xyz:build", "key 'model.factory': cannot import"),
+    pytest.param("no_such_module_xyz:build", "key 'model.factory': cannot import", marks=pytest.mark.slow),
     # imports, builds, and only its measured forward breaks the contract
     ("plainmodel_c:flat", "must return logits [B, T, V]"),
 ])
