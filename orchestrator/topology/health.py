@@ -15,6 +15,7 @@ imported here, on the node, never by the driver.
 
 from __future__ import annotations
 
+import importlib
 import socket
 import time
 from typing import Any
@@ -36,9 +37,7 @@ def inventory(pynvml_module: Any = None) -> dict[str, Any]:
     """NVML's view of this node: {"driver", "cuda_driver", "gpus": [{index, name, memory_bytes,
     uuid, nvlinks: [{"link", "active"}]}]}; {"error": one line} when NVML cannot start."""
     try:
-        nv = pynvml_module
-        if nv is None:
-            import pynvml as nv  # nvidia-ml-py
+        nv = pynvml_module if pynvml_module is not None else importlib.import_module("pynvml")  # nvidia-ml-py
         nv.nvmlInit()
     except ImportError as e:
         return {"error": f"nvidia-ml-py is not installed ({e})"}

@@ -40,6 +40,7 @@ def probe_local(
 ) -> NodeTopology:
     """This node's topology. `num_cpu_slots` (default: the CPU count) sizes a GPU-less node."""
     declared = os.environ.get(TOPOLOGY_FILE_ENV)
+    node: NodeTopology | None
     if declared:
         node = load_topology_file(declared)
         node.source = f"declared:{declared}"
@@ -52,7 +53,6 @@ def probe_local(
         return node
 
     reasons: list[str] = []
-    node: NodeTopology | None
     try:
         node = probe_nvml(pynvml_module)
     except NvmlUnavailable as e:
