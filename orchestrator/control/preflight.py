@@ -36,9 +36,9 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
 
 def start_measuring(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> Future:
     """`measure_model` on a thread of its own: its import of torch and the model's build on the
-    meta device (2.5 s for the built-in Llama on this project's 2-core machine) then overlap
-    Ray's start instead of preceding it. The future's `result()` is the spec, or raises what
-    measuring raised; the built-in GPT's (None, no torch) is ready at once."""
+    meta device (seconds on a small host) then overlap Ray's start instead of preceding it. The
+    future's `result()` is the spec, or raises what measuring raised; the built-in GPT's (None,
+    no torch) is ready at once."""
     from ..workloads.source import is_builtin_gpt
 
     if is_builtin_gpt(cfg.model, model_fn):
