@@ -6,6 +6,7 @@ pyproject.toml, which `.ci/run` runs as `lint-imports` too)."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,7 @@ CONTRACTS = ("every import points down the layers", "no module of the package im
 def _lint_imports(root: Path) -> subprocess.CompletedProcess:
     """lint-imports over the package under `root` with the contracts of `root`/pyproject.toml."""
     run = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
-    return subprocess.run([sys.executable, "-c", run], cwd=root, env={"PYTHONPATH": str(root)},
+    return subprocess.run([sys.executable, "-c", run], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                           capture_output=True, text=True, timeout=120)
 
 
