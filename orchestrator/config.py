@@ -321,7 +321,7 @@ def _allowed_keys(parent: str) -> list[str]:
     node: Any = OmegaConf.structured(JobConfig)
     for part in [p for p in parent.split(".") if p]:
         node = node.get(part) if isinstance(node, DictConfig) else None
-    return sorted(node.keys()) if isinstance(node, DictConfig) else []
+    return sorted(str(k) for k in node.keys()) if isinstance(node, DictConfig) else []
 
 
 def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
@@ -427,7 +427,7 @@ def validate(cfg: JobConfig) -> None:
     _positive(p.trial_steps, "parallel.trial_steps")
     if not 0 < p.trial_budget < 1:
         raise ConfigError(f"key 'parallel.trial_budget': a share of the run in (0, 1), got {p.trial_budget!r}")
-    if p.pp != "auto" and p.pp > m.n_layer:
+    if isinstance(p.pp, int) and p.pp > m.n_layer:
         raise ConfigError(f"key 'parallel.pp': at most model.n_layer ({m.n_layer}) stages, one block each at least, "
                           f"got {p.pp}")
     if p.bucket_mb != "auto" and (isinstance(p.bucket_mb, str) or p.bucket_mb <= 0):
@@ -439,7 +439,7 @@ def validate(cfg: JobConfig) -> None:
                           f"checkpoint directory, got {m.hf_weights}")
     if ":" not in m.factory:
         raise ConfigError(f"key 'model.factory': expected 'package.module:callable', got {m.factory!r}")
-    if p.tp != "auto" and m.factory == GPT_FACTORY and m.hf_config is None and m.n_head % p.tp:
+    if isinstance(p.tp, int) and m.factory == GPT_FACTORY and m.hf_config is None and m.n_head % p.tp:
         raise ConfigError(f"key 'parallel.tp': must divide model.n_head ({m.n_head}), got {p.tp}")
     _positive(cfg.cluster.num_workers, "cluster.num_workers")
     _positive(cfg.cluster.cpus_per_worker, "cluster.cpus_per_worker")

@@ -61,6 +61,8 @@ def test_probe_cluster_reports_each_declared_node(two_nodes) -> None:
     assert topo.network.source == "default"
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_node_is_probed_in_the_jobs_worker_there_or_by_task_when_it_cannot_answer(two_nodes) -> None:
     # The driver's workers start before the probe; a node with one is probed in it (no process
     # of the probe's own to start), and one whose worker died is probed by the task as before.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,6 +32,8 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_private_clusters_start_asks_for_its_node_once_the_raylet_has_registered(monkeypatch):
     """Ray asks the GCS for the new node 0.1 s after starting its raylet and, where it is not
     listed yet, sleeps a fixed second: the start polls first, so Ray's one question is answered."""
@@ -55,6 +59,8 @@ def test_a_private_clusters_start_asks_for_its_node_once_the_raylet_has_register
     assert listed_when_asked and all(listed_when_asked)
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_private_cluster_starts_where_the_poll_cannot_ask_the_gcs(monkeypatch):
     """Another Ray's GCS client (here: one that fails) leaves Ray's own wait in charge."""
     import ray

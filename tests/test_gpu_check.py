@@ -66,6 +66,7 @@ def _positive(*values) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_writes_every_part_through_write_result(smoke):
     out, res = smoke
     # The same checks every stored result passes: command, machine, versions, figures.
@@ -95,6 +96,7 @@ def test_cpu_smoke_checks_the_torch_apis_the_parts_call(smoke):
     assert len(data["apis"]) == len(gpu_check.TORCH_APIS) + len(gpu_check.TORCH_KEYWORDS)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_memory_model_sets_the_plan_against_a_measured_peak(smoke):
     data = _result(smoke[0], "memory_model")
     got = {(c["strategy"], c["recompute"]) for c in data["cases"]}
@@ -112,6 +114,7 @@ def test_cpu_smoke_memory_model_sets_the_plan_against_a_measured_peak(smoke):
     assert data["max_rel_error"] == max(c["rel_error"] for c in data["cases"])
 
 
+@pytest.mark.slow
 def test_cpu_smoke_step_time_measures_every_size(smoke):
     data = _result(smoke[0], "step_time")
     assert [c["case"] for c in data["cases"]] == list(gpu_check.sizes("cpu", True)["step_models"])
@@ -124,6 +127,7 @@ def test_cpu_smoke_step_time_measures_every_size(smoke):
     assert [c["params"] for c in data["cases"]] == sorted(c["params"] for c in data["cases"])
 
 
+@pytest.mark.slow
 def test_cpu_smoke_compile_times_both_modes_and_the_compile(smoke):
     data = _result(smoke[0], "compile")
     assert len(data["eager_step_s_each"]) == len(data["compiled_step_s_each"]) == data["steps"]
@@ -137,6 +141,7 @@ def test_cpu_smoke_compile_times_both_modes_and_the_compile(smoke):
     assert data["eager_step_s"] == statistics.median(data["eager_step_s_each"][i] for i in data["eager_steps"])
 
 
+@pytest.mark.slow
 def test_cpu_smoke_dcp_loads_back_exactly_what_it_saved(smoke):
     data = _result(smoke[0], "dcp")
     assert data["equal"] is True and data["mismatched"] == []

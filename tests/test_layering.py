@@ -1,13 +1,19 @@
 """The package's architecture, checked: the planner stays pure Python (planning a job imports
 neither torch nor Ray, so it is fast and usable on a laptop with neither a GPU nor a cluster),
-no import cycles, and every import points down the layers."""
+no import cycles, and every import points down the layers (the import-linter contracts in
+pyproject.toml, which `.ci/run` runs as `lint-imports` too)."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import grimp
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,188 +57,81 @@ def test_checkpoints_are_listed_and_verified_without_torch():
 
 
 PACKAGE = ROOT / "orchestrator"
+CONTRACTS = ("every import points down the layers", "no module of the package imports its __init__",
+             "the package's __init__ imports neither the CLI nor __main__", "no import cycles")
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the package by dotted name; a package's name stands for its __init__."""
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """lint-imports over the package under `root` with the contracts of `root`/pyproject.toml."""
+    run = "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True, no_logo=True))"
+    return subprocess.run([sys.executable, "-c", run], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120)
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules `name` imports anywhere in its file, function-level (deferred)
-    imports and TYPE_CHECKING blocks included: `import a.b` imports a.b; `from a import b`
-    imports the module a.b where there is one, and else a (a package's __init__)."""
-    is_package = path.name == "__init__.py"
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in modules)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            for a in node.names:
-                sub = f"{target}.{a.name}"
-                if sub in modules:
-                    out.add(sub)
-                elif target in modules:
-                    out.add(target)
-    out.discard(name)
-    return out
+def test_the_import_contracts_hold():
+    out = _lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in CONTRACTS:
+        assert f"{name} KEPT" in out.stdout, out.stdout
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                found.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+# Each breaks one contract in a copy of the package. Imports inside functions and under
+# TYPE_CHECKING count as much as those at the top: either is a dependency the layers must allow.
+_BREAKS = {
+    "upward, inside a function": ("testbed/network.py", "def _f():\n    from ..planning import mesh\n",
+                                  CONTRACTS[:1]),
+    "upward, for types only": ("testbed/network.py",
+                               "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..planning import mesh\n",
+                               CONTRACTS[:1]),
+    "across a layer": ("runtime/checkpoint_files.py", "from ..connect import reach\n", CONTRACTS[:1]),
+    "a package without a layer": ("extra/__init__.py", "", CONTRACTS[:1]),
+    # config reaches the commands through the package's __init__ too: both contracts see it.
+    "the package's __init__ from below": ("config.py", "import orchestrator\n", CONTRACTS[:2]),
+    "the CLI from the package's __init__": ("__init__.py", "def _f():\n    from . import cli\n", CONTRACTS[2:3]),
+    "a cycle inside a package": ("topology/model.py", "def _f():\n    from . import render\n", CONTRACTS[3:]),
+}
 
 
-def _a_cycle(graph: dict[str, set[str]], members: list[str]) -> list[str]:
-    """One import cycle through the component, start and end at its first module."""
-    inside, start = set(members), members[0]
-    paths = {start: [start]}
-    queue = [start]
-    while queue:
-        v = queue.pop(0)
-        for w in sorted(graph[v] & inside):
-            if w == start:
-                return paths[v] + [start]
-            if w not in paths:
-                paths[w] = paths[v] + [w]
-                queue.append(w)
-    return members
+@pytest.mark.parametrize("where, line, contracts", _BREAKS.values(), ids=_BREAKS.keys())
+def test_each_contract_is_broken_by_what_it_forbids(tmp_path, where, line, contracts):
+    shutil.copytree(PACKAGE, tmp_path / "orchestrator", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    module = tmp_path / "orchestrator" / where
+    module.parent.mkdir(exist_ok=True)
+    module.write_text((module.read_text() if module.exists() else "") + line)
+    out = _lint_imports(tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    broken = [name for name in CONTRACTS if f"{name} BROKEN" in out.stdout]
+    assert tuple(broken) == contracts, out.stdout
 
 
-def test_the_cycle_finder_reports_a_cycle():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert _cycles(graph) == [["a", "b", "c"]]
-    assert _a_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
-    assert _cycles({"a": {"b"}, "b": set()}) == []
+def _on_a_cycle(graph: grimp.ImportGraph) -> list[str]:
+    """Every module that imports, directly or not, a module that imports it back. import-linter's
+    acyclic contract looks between the units of each package, so a cycle through a package's own
+    __init__ (planning.plan importing `orchestrator.planning`, which imports planning.plan) is
+    left to this."""
+    return sorted(m for m in graph.modules if graph.find_upstream_modules(m) & graph.find_downstream_modules(m))
 
 
-def test_relative_and_deferred_imports_are_resolved(tmp_path):
-    modules = {"orchestrator": PACKAGE / "__init__.py", "orchestrator.planning": PACKAGE / "planning/__init__.py",
-               "orchestrator.planning.plan": PACKAGE / "planning/plan.py", "orchestrator.config": PACKAGE / "config.py"}
-    src = tmp_path / "mod.py"
-    src.write_text("from ..config import JobConfig\nfrom . import plan\n"
-                   "def f():\n    from ..planning import Plan\n    import orchestrator.config\n")
-    assert _imports("orchestrator.planning.mod", src, modules) == {
-        "orchestrator.config", "orchestrator.planning.plan", "orchestrator.planning"}
+def test_the_cycle_finder_finds_a_cycle_through_a_packages_init(tmp_path, monkeypatch):
+    package = tmp_path / "cyclic"
+    package.mkdir()
+    (package / "__init__.py").write_text("from .a import thing\n")
+    (package / "a.py").write_text("def thing():\n    from cyclic import b\n")
+    (package / "b.py").write_text("")
+    (package / "c.py").write_text("import cyclic\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("cyclic", exclude_type_checking_imports=False, cache_dir=None)
+    assert _on_a_cycle(graph) == []
+    (package / "b.py").write_text("from cyclic import thing\n")
+    graph = grimp.build_graph("cyclic", exclude_type_checking_imports=False, cache_dir=None)
+    assert _on_a_cycle(graph) == ["cyclic", "cyclic.a", "cyclic.b"]
 
 
 def test_no_module_takes_part_in_an_import_cycle():
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert len(graph) > 30 and graph["orchestrator.planning.plan"]  # the walk found the package
-    cycles = _cycles(graph)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(_a_cycle(graph, c)) for c in cycles)
-
-
-# The package's layers, lowest first. A module may import its own unit and any unit of a lower
-# layer, never one of its own layer's other units or a higher layer's: the driver side (control)
-# reaches down into what runs in a worker (runtime), never the reverse; the planner sees the
-# topology model and the config, nothing that runs; the CLI commands sit on top of it all.
-LAYERS: list[tuple[str, ...]] = [
-    ("orchestrator.errors", "orchestrator.choices"),
-    ("orchestrator.data",),
-    ("orchestrator.config",),
-    ("orchestrator.topology", "orchestrator.testbed"),
-    ("orchestrator.planning",),
-    ("orchestrator.workloads",),
-    ("orchestrator.runtime", "orchestrator.connect"),
-    ("orchestrator.record",),
-    ("orchestrator.control",),
-    ("orchestrator.commands",),
-    ("orchestrator.cli", "orchestrator"),
-    ("orchestrator.__main__",),
-]
-
-
-def _unit(module: str) -> str:
-    """The layered unit a module belongs to: its top package under orchestrator, or the
-    top-level module itself."""
-    parts = module.split(".")
-    return ".".join(parts[:2])
-
-
-def _rank(unit: str) -> int:
-    for i, layer in enumerate(LAYERS):
-        if unit in layer:
-            return i
-    raise AssertionError(f"{unit} is in no layer of tests/test_layering.py: give it one")
-
-
-def _upward(graph: dict[str, set[str]]) -> list[str]:
-    """`a -> b` for every import of a unit that is not below the importer's own."""
-    found = []
-    for name, targets in sorted(graph.items()):
-        here = _unit(name)
-        for t in sorted(targets):
-            there = _unit(t)
-            if there != here and _rank(there) >= _rank(here):
-                found.append(f"{name} -> {t} ({here} is layer {_rank(here)}, {there} layer {_rank(there)})")
-    return found
-
-
-def test_the_layer_check_finds_upward_and_sideways_imports():
-    graph = {"orchestrator.runtime.worker": {"orchestrator.control.driver", "orchestrator.planning.plan"},
-             "orchestrator.runtime.trainer": {"orchestrator.connect.remote", "orchestrator.runtime.worker"},
-             "orchestrator.control.driver": {"orchestrator.runtime.worker"}}
-    found = _upward(graph)
-    assert [f.split(" (")[0] for f in found] == ["orchestrator.runtime.trainer -> orchestrator.connect.remote",
-                                                 "orchestrator.runtime.worker -> orchestrator.control.driver"]
-
-
-def test_every_unit_of_the_package_has_a_layer():
-    units = {_unit(m) for m in _modules()}
-    assert {"orchestrator.control", "orchestrator.runtime", "orchestrator.data", "orchestrator.connect"} <= units
-    for u in units:
-        _rank(u)
-
-
-def test_no_module_imports_up_or_across_a_layer():
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    found = _upward(graph)
-    assert not found, "imports that reach up or across a layer:\n" + "\n".join(found)
+    graph = grimp.build_graph("orchestrator", exclude_type_checking_imports=False, cache_dir=None)
+    assert len(graph.modules) > 100 and graph.find_modules_directly_imported_by("orchestrator.planning.plan")
+    assert _on_a_cycle(graph) == []
 
 
 # What would make a plan depend on the machine that computes it rather than on the topology.

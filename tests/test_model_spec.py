@@ -175,6 +175,8 @@ def test_bad_models_fail_in_one_line_naming_the_key(tmp_path, monkeypatch, facto
     # imports, builds, and only its measured forward breaks the contract
     ("plainmodel_c:flat", "must return logits [B, T, V]"),
 ])
+@pytest.mark.ray
+@pytest.mark.slow
 def test_bad_model_from_the_command_line_is_one_line_exit_2(tmp_path, factory, message) -> None:
     """The model is measured while Ray starts (`start_measuring`); one that breaks the contract
     still ends the submit in one line, with no run directory (nor the runs directory it made) left."""

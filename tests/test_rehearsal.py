@@ -191,7 +191,8 @@ def test_full_recomputation_repeats_every_tensor_parallel_reduction_but_the_bloc
     _check_agreement(plan["rehearsal"], memory=False)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved_1f1b", marks=pytest.mark.slow),
+                                      pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_a_pipeline_rehearses_its_first_and_last_stage_and_their_point_to_point(capsys, schedule):
     # Each stage is priced at every backward of its schedule (found by rehearsal: interleaved,
     # the last rank holds a round of micro-batches of its earlier chunk, a Mistral 7B pp=4
@@ -303,6 +304,7 @@ def test_the_benchmark_quick_mode_writes_its_figures(tmp_path):
     assert case["bytes_error"] == 0.0 and data["goal"]["bytes_within"] == 0.05
 
 
+@pytest.mark.slow
 def test_the_last_stage_does_not_keep_every_micro_batchs_logits(capsys):
     """torch's schedule hands back every micro-batch's logits merged unless told not to; the
     loop needs only the losses. Four times the micro-batches must not add three micro-batches'
@@ -329,7 +331,7 @@ def _hf_llama_config(tmp_path) -> str:
     return str(tmp_path / "config.json")
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", pytest.param("full", marks=pytest.mark.slow)])
 def test_a_hugging_face_llama_rehearses_as_planned(capsys, tmp_path, recompute):
     # Planned from a config.json, the job's own factory and its args set aside; one micro-step,
     # where FSDP2's peak is the loss's backward.
@@ -339,6 +341,7 @@ def test_a_hugging_face_llama_rehearses_as_planned(capsys, tmp_path, recompute):
     _check_agreement(plan["rehearsal"])
 
 
+@pytest.mark.slow
 def test_a_hugging_face_llama_rehearses_in_a_pipeline(capsys, tmp_path):
     code, plan, _ = _rehearse(capsys, f"model.hf_config={_hf_llama_config(tmp_path)}", "parallel.strategy=zero2",
                               "parallel.pp=2", "parallel.pp_schedule=1f1b", nodes=4)

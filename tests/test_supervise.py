@@ -48,11 +48,13 @@ def test_hang_timeout_is_k_times_the_predicted_step_but_never_below_the_floor():
     assert hang_timeout_s(None, 20.0, 60.0) == 60.0
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_ray():
+    # One Ray for the module: starting it is most of each test's time. A test's ranks go when it
+    # drops their handles; CPUs enough for two tests' ranks at once, so the next never waits on that.
     import ray
 
-    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=6, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield ray
     ray.shutdown()
 

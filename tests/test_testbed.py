@@ -45,7 +45,7 @@ def _host_links() -> str:
 
 
 @needs_netns
-@pytest.mark.parametrize("gbit", [0.2, 0.5])
+@pytest.mark.parametrize("gbit", [0.2, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_a_shaped_link_carries_its_rate(clean, gbit):
     """Never faster than asked; as fast as asked within 25% in the best of three seconds, since
     a busy virtual host can only take rate away (a late timer loses tokens), never add it."""
@@ -87,6 +87,7 @@ w.close()
 
 
 @needs_netns
+@pytest.mark.slow
 def test_the_probe_measures_a_shaped_inter_node_link_within_a_quarter(clean):
     gbit = 0.2
     create(SPEC, 2, Shaping(gbit, 0.0))

@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import UserError
 
@@ -45,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--address and --full check a live cluster; they do not apply to --from FILE")
         from ..control.doctor import check_captures
 
-        reports, figures = check_captures(args.from_file, args.gpu_name), {}
+        figures: dict[str, Any] = {}
+        reports = check_captures(args.from_file, args.gpu_name)
     else:
         from ..connect.cluster import connect
         from ..control.doctor import check_cluster

@@ -8,6 +8,7 @@ from ..config import JobConfig
 from ..planning import Plan
 from ..planning.model_spec import ModelSpec
 from ..topology.model import ClusterTopology
+from ..units import format_bytes
 
 
 def rehearsal_report(cfg: JobConfig, plan: Plan, topo: ClusterTopology, spec: ModelSpec | None) -> dict[str, Any]:
@@ -41,7 +42,8 @@ def rehearsal_report(cfg: JobConfig, plan: Plan, topo: ClusterTopology, spec: Mo
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:.2f} GB" if abs(x) >= 1e8 else f"{x / 1e6:.2f} MB"
+    # Two places of MB: a rehearsed collective is often a few MB, and its miss against the plan small.
+    return format_bytes(x, megabyte_places=2)
 
 
 def _pct(measured: float, predicted: float) -> str:

@@ -14,13 +14,11 @@ PRIVATE_CLUSTER_CONFIG = {
     # Ray starts workers at niceness 15 so its own processes win the CPU; in a private
     # cluster the workers are the training itself, and on a host whose cores they keep busy
     # every wake-up of the raylet, the GCS or an agent then stalls a step and, through the
-    # next collective, every rank (1.8% of a zero3 step on this project's 2-core machine, over 4
-    # alternating pairs of runs).
+    # next collective, every rank (benchmarks/README.md, "Start-up settings", says how much).
     "worker_niceness": 0,
     # The raylet connects to the object store it has just started, and a worker to its raylet,
-    # retrying after this long: Ray's 1 s made every other start of the cluster 1 s slower
-    # (2.2 s or 3.2 s to `ray.init` on this machine; 2.2-2.35 s polled every 0.1 s). The same
-    # 10 s of patience in all.
+    # retrying after this long: Ray's 1 s makes every other start of the cluster a second
+    # slower. The same 10 s of patience in all.
     "raylet_client_connect_timeout_milliseconds": 100,
     "raylet_client_num_connect_attempts": 100,
 }
@@ -101,9 +99,9 @@ def registration_polled() -> Iterator[None]:
 
     Ray asks once, 0.1 s after it started the raylet, and where the node is not yet listed
     its `GlobalStateAccessor::GetNode` sleeps a fixed second before asking again. The raylet
-    registers only once its agents are up: 0.5-0.7 s after its start on a 2-core host, so
-    every private cluster started 0.3-0.5 s later than it could have. Ray's own call then finds
-    the node at its first try. Where this Ray has not the hook (`services.get_node`) or the
+    registers only once its agents are up, tenths of a second after its start, so without the
+    poll a private cluster starts later than it could. Ray's own call then finds the node at its
+    first try. Where this Ray has not the hook (`services.get_node`) or the
     poll fails, Ray waits as it always did.
     """
     import ray._private.services as services

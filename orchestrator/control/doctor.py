@@ -181,7 +181,7 @@ def check_cluster(quick: bool = True, progress=None) -> tuple[list[NodeReport], 
                                               "latency_us": measured.network.latency_us}
         except Exception as e:  # noqa: BLE001 - the links stay unmeasured; every node says so
             for n in gpu_nodes:
-                reports[n.node_id].add("warn", f"links not measured: {(str(e).strip().splitlines() or [''])[-1]}")
+                reports[str(n.node_id)].add("warn", f"links not measured: {(str(e).strip().splitlines() or [''])[-1]}")
     for n in topo.nodes:
         if n.node_id in reports:
             judge_links(n, reports[n.node_id])

@@ -183,7 +183,7 @@ def run_config(run_dir: Path) -> tuple[GPTConfig, dict[str, Any], str]:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir}: no config.yaml; not a run directory")
-    cfg = OmegaConf.to_container(OmegaConf.load(path))
+    cfg: Any = OmegaConf.to_container(OmegaConf.load(path))
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model = GPTConfig(**{k: v for k, v in cfg["model"].items() if k in fields})
     return model, cfg.get("data") or {}, (cfg.get("checkpoint") or {}).get("path") or str(run_dir / "checkpoints")

@@ -161,7 +161,7 @@ def domain_selectors(plan: Plan, labels: dict[str, dict[str, str]]) -> list[dict
     advertising another domain than the probe found stops placement before anything is held."""
     from .labels import NVLINK_DOMAIN_LABEL, domain_label
 
-    out = []
+    out: list[dict[str, str]] = []
     for r in plan.ranks:
         have = labels.get(r.node, {}).get(NVLINK_DOMAIN_LABEL)
         if r.nvlink_domain is None or have is None:
@@ -318,7 +318,8 @@ def _spawner(pg, job: str, node_of_slot: list[str], bundle_of_slot: list[int], u
         on_node[node] += 1
 
     def spawn(slot: int) -> Any:
-        return Worker.options(
+        actor_class: Any = Worker  # @ray.remote made it an actor class, which its own type does not say
+        return actor_class.options(
             name=f"{job}/worker-{slot}",
             num_cpus=cpus_per_worker,
             num_gpus=1 if use_gpu else 0,

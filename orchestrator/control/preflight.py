@@ -22,7 +22,7 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
         return None  # priced from its config: the driver need not import torch (most of a second)
     from ..workloads.inspect import model_spec
 
-    spec = model_spec(cfg.model, model_fn)
+    spec: ModelSpec | None = model_spec(cfg.model, model_fn)
     if cfg.train.compile == "true":
         # Traced now, so a break is refused before anything starts; under `auto` only once a
         # plan would compile (`compile_checked`, called by the driver).
@@ -30,15 +30,15 @@ def measure_model(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) ->
     if isinstance(cfg.parallel.pp, int) and cfg.parallel.pp > 1:
         _check_pipeline_contract(cfg, model_fn)
     if cfg.model.hf_weights:
-        _check_weights(cfg, model_fn)
+        _check_weights(cfg, cfg.model.hf_weights, model_fn)
     return spec
 
 
 def start_measuring(cfg: JobConfig, model_fn: Callable[..., Any] | None = None) -> Future:
     """`measure_model` on a thread of its own: its import of torch and the model's build on the
-    meta device (2.5 s for the built-in Llama on this project's 2-core machine) then overlap
-    Ray's start instead of preceding it. The future's `result()` is the spec, or raises what
-    measuring raised; the built-in GPT's (None, no torch) is ready at once."""
+    meta device (seconds on a small host) then overlap Ray's start instead of preceding it. The
+    future's `result()` is the spec, or raises what measuring raised; the built-in GPT's (None,
+    no torch) is ready at once."""
     from ..workloads.source import is_builtin_gpt
 
     if is_builtin_gpt(cfg.model, model_fn):
@@ -68,13 +68,13 @@ def _check_pipeline_contract(cfg: JobConfig, model_fn: Callable[..., Any] | None
         raise ConfigError(f"key 'parallel.pp': {e}") from None
 
 
-def _check_weights(cfg: JobConfig, model_fn: Callable[..., Any] | None) -> None:
+def _check_weights(cfg: JobConfig, weights: str, model_fn: Callable[..., Any] | None) -> None:
     """Weights that do not fit the model (missing or extra names, other shapes) are refused
     here from the file's headers, in one line, before any worker spends memory on them."""
     from ..runtime.hf_weights import check_weights
     from ..runtime.materialize import build_on_meta
 
-    check_weights(build_on_meta(cfg.model, model_fn), cfg.model.hf_weights)
+    check_weights(build_on_meta(cfg.model, model_fn), weights)
 
 
 def compile_checked(cfg: JobConfig, spec: ModelSpec | None,

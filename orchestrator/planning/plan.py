@@ -14,6 +14,7 @@ from ..choices import AccumSync, Choice, Compression, Precision, Recompute, Stra
 from ..config import JobConfig
 from ..errors import ModelTooLarge, PlanError
 from ..topology.model import ClusterTopology, Device
+from ..units import format_bytes
 from .calibration import UNCALIBRATED, Calibration, CompileGain
 from .cluster_view import LeftOut, describe_domains, nvlink_view, plannable, real_ranks
 from .compile import EAGER, CompilePlan, decide
@@ -30,8 +31,6 @@ from .pipeline import Pipeline, stage_share
 from .resolve import Execution
 from .search import MAX_ALTERNATIVES, NEAR_TIE, Constraints, SearchResult, asks_for_ddp_hooks, search
 from .sync import SyncPlan, powersgd_ratio
-
-GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -243,7 +242,7 @@ class Plan:
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:.2f} GB" if abs(x) >= 0.1 * GB else f"{x / 1e6:.1f} MB"
+    return format_bytes(x)
 
 
 def model_shape(cfg: JobConfig, spec: ModelSpec | None = None) -> ModelShape:

@@ -6,10 +6,10 @@ import math
 from html import escape
 
 from ..topology.model import ClusterTopology
+from ..units import format_bytes
 from .mesh import AXES, RankPlacement
 from .plan import Plan
 
-GB = 1e9
 # Link colours by kind, fastest first (NVLink green, PCIe paths warming to red, CPU slots grey).
 _LINK_COLOURS = {"nvlink": "#2e7d32", "pix": "#1565c0", "pxb": "#1976d2", "phb": "#f9a825", "node": "#ef6c00",
                  "sys": "#c62828", "shm": "#757575", "net": "#6a1b9a"}
@@ -18,9 +18,7 @@ _MAX_NODES_DRAWN = 4
 
 
 def _bytes(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 1e6:.1f} MB"
+    return format_bytes(x)
 
 
 def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:

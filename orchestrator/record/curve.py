@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 W, H = 720, 400
@@ -24,7 +25,7 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], title: str,
-             restarts: list[int] = ()) -> str:
+             restarts: Sequence[int] = ()) -> str:
     """Train loss per step (line) and validation loss (points joined), on shared axes; a dashed
     line at each step a restart resumed from."""
     pts = train + val

@@ -30,6 +30,7 @@ from ..planning.render import render_svg as layout_svg
 from ..planning.render import render_text as plan_text
 from ..topology.model import ClusterTopology
 from ..topology.render import render_svg as topology_svg
+from ..units import format_bytes
 from .curve import loss_svg
 from .rundir import RunDir
 from .straggler import SLOW_FACTOR
@@ -184,8 +185,7 @@ def fmt_s(x: Any) -> str:
 
 
 def fmt_bytes(x: Any) -> str:
-    v = num(x)
-    return "-" if v is None else f"{v / 2**30:,.2f} GiB" if abs(v) >= 2**30 else f"{v / 2**20:,.1f} MiB"
+    return format_bytes(num(x), binary=True)
 
 
 def fmt_num(x: Any, spec: str = ",.0f") -> str:
@@ -294,12 +294,12 @@ def section_plan(inp: Inputs) -> str:
     expl = d.get("explanation") or []
     out.append("<ul>" + "".join(f"<li>{esc(str(x))}</li>" for x in expl) + "</ul>" if expl
                else missing("plan.json has no explanation lines."))
-    mesh = d.get("mesh") if isinstance(d.get("mesh"), dict) else {}
+    mesh = d["mesh"] if isinstance(d.get("mesh"), dict) else {}
     out.append("<h3>Mesh</h3>" + table(["axis", "size"], [[k, str(v)] for k, v in mesh.items()]))
-    mem = d.get("memory_per_rank") if isinstance(d.get("memory_per_rank"), dict) else {}
+    mem = d["memory_per_rank"] if isinstance(d.get("memory_per_rank"), dict) else {}
     out.append("<h3>Predicted memory per rank</h3>"
                + table(["part", "bytes"], [[k, fmt_bytes(v)] for k, v in mem.items()]))
-    st = d.get("step_time") if isinstance(d.get("step_time"), dict) else {}
+    st = d["step_time"] if isinstance(d.get("step_time"), dict) else {}
     out.append("<h3>Predicted step time</h3>" + table(["part", "time"], [[k.removesuffix("_s"), fmt_s(v)]
                                                                             for k, v in st.items()]))
     out.append("<h3>Runners-up</h3>" + alternatives(d.get("alternatives")))
@@ -343,17 +343,19 @@ def trial_text(trial: Any) -> str:
 
 
 def section_topology(inp: Inputs) -> str:
-    if inp.topology is None:
+    topology = inp.topology
+    if topology is None:
         return missing(f"No topology picture: {inp.topology_missing}.")
-    return drawn("topology", lambda: topology_svg(inp.topology), "Devices and links of every node, as probed.")
+    return drawn("topology", lambda: topology_svg(topology), "Devices and links of every node, as probed.")
 
 
 def section_layout(inp: Inputs) -> str:
-    if inp.plan is None:
+    plan, topology = inp.plan, inp.topology
+    if plan is None:
         return missing(f"No rank layout: {inp.plan_missing}.")
-    if inp.topology is None:
+    if topology is None:
         return missing(f"No rank layout: {inp.topology_missing}.")
-    return drawn("layout", lambda: layout_svg(inp.plan, inp.topology), "Which rank runs on which device.")
+    return drawn("layout", lambda: layout_svg(plan, topology), "Which rank runs on which device.")
 
 
 def loss_points(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
@@ -512,8 +514,8 @@ def so_far(rows: list[dict[str, Any]] | None, key: str) -> float | None:
 
 def section_predicted(inp: Inputs) -> str:
     s = inp.summary.data or {}
-    pred = s.get("predicted") if isinstance(s.get("predicted"), dict) else predicted_from_plan(inp.plan_json.data)
-    meas = s.get("measured") if isinstance(s.get("measured"), dict) else None
+    pred = s["predicted"] if isinstance(s.get("predicted"), dict) else predicted_from_plan(inp.plan_json.data)
+    meas = s["measured"] if isinstance(s.get("measured"), dict) else None
     out = []
     if meas is None:
         why = ("summary.json has no `measured` (written by runs before this version, or by a run that did not "
@@ -568,7 +570,8 @@ def peak_memory(pred: dict[str, Any], meas: dict[str, Any]) -> str:
     total = pred.get("peak_memory_bytes_per_rank")
     rows = []
     for r, (p, b) in enumerate(zip(peaks, bases)):
-        grown = num(p) - num(b) if num(p) is not None and num(b) is not None else None
+        peak, base = num(p), num(b)
+        grown = peak - base if peak is not None and base is not None else None
         rows.append([str(r), fmt_bytes(p), fmt_bytes(b), fmt_bytes(grown), fmt_bytes(total), ratio(grown, total)])
     source = meas.get("memory_source") or "-"
     headers = ["rank", "peak", "baseline", "peak - baseline", "predicted", "(peak - baseline) / predicted"]

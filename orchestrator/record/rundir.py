@@ -76,6 +76,3 @@ class RunDir:
             with open(self.path / name, "a") as f:
                 for r in rows:
                     f.write(json.dumps(r) + "\n")
-
-    def read_json(self, name: str) -> Any:
-        return json.loads((self.path / name).read_text())

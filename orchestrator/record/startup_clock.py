@@ -55,7 +55,7 @@ class Phases:
         part accounts for is in the total too) and the `largest` part's key."""
         out: dict[str, Any] = {k: round(self.parts[k], 3) for k in PART_NAMES if k in self.parts}
         out["total_s"] = round(time.time() - self.started, 3)
-        out["largest"] = max(self.parts, key=self.parts.get) if self.parts else None
+        out["largest"] = max(self.parts, key=lambda k: self.parts[k]) if self.parts else None
         if self.record is not None:
             self.record["breakdown"] = out
         return out

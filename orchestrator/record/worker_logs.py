@@ -138,7 +138,7 @@ class WorkerLogs:
 
     def _rank(self, data: dict[str, Any]) -> int | None:
         try:
-            pid = int(data.get("pid"))
+            pid = int(data.get("pid", ""))
         except (TypeError, ValueError):
             return None  # "raylet", "autoscaler"
         ip = str(data.get("ip", ""))

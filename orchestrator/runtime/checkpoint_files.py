@@ -124,8 +124,8 @@ def shares(meta: dict[str, Any], parts: int) -> list[list[str]]:
     together, and the writers are dealt in turn (ranks hold about equal shares of the state)."""
     by_owner: dict[int, list[str]] = {}
     for name in meta.get("files", {}):
-        owner = re.match(r"__(\d+)_", name)
-        by_owner.setdefault(int(owner.group(1)) if owner else 0, []).append(name)
+        writer = re.match(r"__(\d+)_", name)
+        by_owner.setdefault(int(writer.group(1)) if writer else 0, []).append(name)
     out: list[list[str]] = [[] for _ in range(max(1, parts))]
     for i, owner in enumerate(sorted(by_owner)):
         out[i % len(out)].extend(by_owner[owner])

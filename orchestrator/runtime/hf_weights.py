@@ -22,6 +22,7 @@ import os
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,7 +153,7 @@ class _FilesReader(HuggingFaceStorageReader):
 
     def __init__(self, files: list[Path]) -> None:
         super().__init__(str(files[0].parent))
-        self.fs = _Listing(self.fs, {os.path.realpath(f) for f in files})
+        self.fs: Any = _Listing(self.fs, {os.path.realpath(f) for f in files})
 
 
 class _Listing:

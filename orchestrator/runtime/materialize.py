@@ -228,10 +228,6 @@ def build_on_meta(m: ModelConfig, model_fn: Callable[..., nn.Module] | None = No
         return build_model(m, model_fn)
 
 
-def has_meta_params(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
 def build_initialised(m: ModelConfig, seed: int, device: torch.device | str = "cpu",
                       model_fn: Callable[..., nn.Module] | None = None) -> nn.Module:
     """The whole model in one process with exactly the values any plan's ranks hold between

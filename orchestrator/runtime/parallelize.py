@@ -392,6 +392,7 @@ def parallelize(
     if ex.ddp_reduces:
         if on_meta:
             # DDP replicates whole weights: they exist before it wraps (it broadcasts rank 0's).
+            assert materialize is not None
             materialize(model)
         group = _dp_mesh(mesh).get_group()
         # Gradients that exist when DDP wraps become views of its buckets for good (it copies
@@ -427,5 +428,6 @@ def parallelize(
     # The root holds the embeddings and the output head, so a tied weight has one owner.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     if on_meta:
+        assert materialize is not None
         materialize(model)  # sharded now: each rank allocates its own shards only
     return Parallelized(model, make_optimizer(model), notes, keeps_gathered=not ex.reshard_after_forward)

@@ -242,8 +242,9 @@ def rehearse(cfg: JobConfig, plan: Plan, vocab: int | None = None,
         import multiprocessing
 
         spawn = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn, max_tasks_per_child=1) as pool:
-            for r in chosen[1:]:
+        for r in chosen[1:]:
+            # A pool per rank, not max_tasks_per_child=1: that keyword is Python 3.11's.
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
                 done.append(pool.submit(_rehearse_elsewhere, cfg, plan, r, vocab, dict(SENT_META)).result())
     return Rehearsal(tuple(done))
 

@@ -175,7 +175,7 @@ def fake_safe_runtime() -> Iterator[None]:
     from . import trainer as trainer_module
 
     build_mesh = trainer_module.build_mesh
-    materialize = getattr(trainer_module, "materialize", None)
+    materialize: Any = getattr(trainer_module, "materialize", None)
     verify = ddp_module._verify_param_shape_across_processes
 
     def outside(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -247,6 +247,7 @@ def forget_world() -> None:
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
+    cached: Any
     for cached in (prop.propagate_op_sharding, getattr(prop, "_propagate_tensor_meta_cached", None)):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()

@@ -2,9 +2,10 @@
 
 `init_process_group(init_method="tcp://...")` starts rank 0's store inside that call, so a rank
 that gets there first finds nothing listening and connects again only after the client's
-backoff: 0.3-0.7 s of every start and restart on a 2-core host whose ranks arrive tens of
-milliseconds apart. Here rank 0 opens the store when the driver asks where the group meets
-(`serve`, before any rank is told), and every rank then joins a store already listening (`join`).
+backoff, at every start and restart where the ranks arrive tens of milliseconds apart (the
+figures: benchmarks/README.md, "Start-up settings"). Here rank 0 opens the store when the driver
+asks where the group meets (`serve`, before any rank is told), and every rank then joins a store
+already listening (`join`).
 Each group gets a store of its own, on a port the system chose, so a group that re-forms after a
 failure never meets in the broken one's store.
 

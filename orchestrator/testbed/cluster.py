@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .network import NetworkSpec, ShapedNetworkError, Shaping, create, remove
 
@@ -68,7 +69,7 @@ class ShapedCluster:
         self._procs: list[subprocess.Popen] = []
         self._tmp: str | None = None
         self._closed = True
-        self._old_handlers: dict[int, object] = {}
+        self._old_handlers: dict[int, Any] = {}
 
     @property
     def address(self) -> str:
@@ -127,6 +128,7 @@ class ShapedCluster:
 
     def _start_node(self, i: int, addr: str) -> subprocess.Popen:
         ray = str(Path(sys.executable).with_name("ray"))
+        assert self._tmp is not None
         args = [ray, "start", "--block", "--node-ip-address", addr, "--num-cpus", str(self.spec.slots_per_node),
                 "--num-gpus", str(self.spec.gpus_per_node), "--disable-usage-stats"]
         if i == 0:
@@ -142,6 +144,7 @@ class ShapedCluster:
         """Wait until the first `n` nodes' `ray start` said it started, then check that the
         cluster counts them (a loaded host can take a minute per node)."""
         deadline = time.monotonic() + _READY_TIMEOUT_S
+        assert self._tmp is not None
         for i in range(n):
             log = Path(self._tmp) / f"node{i}.log"
             while "Ray runtime started" not in log.read_text(errors="replace"):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import UserError
 
-ADDRESS_RANGE = ipaddress.ip_network("198.18.0.0/15")
+ADDRESS_RANGE = ipaddress.IPv4Network("198.18.0.0/15")
 """RFC 2544's benchmarking range: never routed, so nothing addressed in it leaves the machine."""
 _MAX_PREFIX = 9  # interface and namespace names are kept short (IFNAMSIZ is 16)
 
@@ -64,7 +64,7 @@ class NetworkSpec:
         if not (1 <= len(self.prefix) <= _MAX_PREFIX) or not self.prefix.replace("-", "").isalnum():
             raise ShapedNetworkError(f"network prefix {self.prefix!r}: 1-{_MAX_PREFIX} letters, digits or '-'")
         try:
-            net = ipaddress.ip_network(self.subnet)
+            net = ipaddress.IPv4Network(self.subnet)
         except ValueError:
             raise ShapedNetworkError(f"subnet {self.subnet!r} is not an IPv4 network such as 198.18.0.0/24") from None
         if not net.subnet_of(ADDRESS_RANGE):
@@ -329,6 +329,7 @@ def tcp_link(spec: NetworkSpec, src: int, dst: int, seconds: float = 1.0, pings:
     addr, port = spec.address(dst), 5599
     server = subprocess.Popen(["ip", "netns", "exec", spec.node_ns(dst), sys.executable, "-c", _SERVER,
                                addr, str(port), str(pings), str(ping_bytes)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
     try:
         server.stdout.readline()  # 'ready': listening
         res = _run([sys.executable, "-c", _CLIENT, addr, str(port), str(pings), str(seconds), str(ping_bytes),

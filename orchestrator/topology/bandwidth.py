@@ -26,7 +26,7 @@ _PCIE_PATH = {
 }
 _NVLINK_LATENCY_US = 1.0
 # gloo between processes of one host goes through TCP loopback, not shared memory: a few GB/s
-# and tens of microseconds (2.8 GB/s, 60 us measured on a 2-core VM by `probe --measure`).
+# and tens of microseconds (what `probe --measure` found: benchmarks/README.md, "Start-up settings").
 _SHM = (3.0, 50.0)
 NETWORK_DEFAULT = (12.5, 10.0)
 """(GB/s, us) out of a node when nothing says otherwise: 100 Gbit Ethernet-class."""

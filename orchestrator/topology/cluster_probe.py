@@ -117,10 +117,11 @@ def probe_cluster(measure: bool = False, num_cpu_slots: int = 0, on: dict[str, A
     if not nodes:
         raise TopologyError("every node of the Ray cluster died during the topology probe")
     if not any(node.devices for node in nodes):
-        largest = max(zip(nodes, alive), key=lambda pair: cpus_of(pair[1]))
+        largest = max(alive, key=cpus_of)
         raise TopologyError(
             f"key 'cluster.cpus_per_worker': no node of the cluster holds one worker of {cpus_per_worker:g} CPUs; "
-            f"the largest, node {largest[0].node_id[:12]} ({largest[0].hostname}), has {cpus_of(largest[1]):g}")
+            f"the largest, node {largest['NodeID'][:12]} ({largest.get('NodeManagerHostname', '?')}), "
+            f"has {cpus_of(largest):g}")
     cluster = ClusterTopology(nodes=nodes, network=network_from_nodes(nodes))
     if measure:
         cluster = measure_cluster(cluster)

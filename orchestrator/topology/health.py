@@ -16,6 +16,7 @@ imported here, on the node, never by the driver.
 
 from __future__ import annotations
 
+import importlib
 import math
 import socket
 import time
@@ -39,9 +40,7 @@ def inventory(pynvml_module: Any = None) -> dict[str, Any]:
     """NVML's view of this node: {"driver", "cuda_driver", "gpus": [{index, name, memory_bytes,
     uuid, nvlinks: [{"link", "active"}]}]}; {"error": one line} when NVML cannot start."""
     try:
-        nv = pynvml_module
-        if nv is None:
-            import pynvml as nv  # nvidia-ml-py
+        nv = pynvml_module if pynvml_module is not None else importlib.import_module("pynvml")  # nvidia-ml-py
         nv.nvmlInit()
     except ImportError as e:
         return {"error": f"nvidia-ml-py is not installed ({e})"}
@@ -163,9 +162,7 @@ def timed_seconds(fn: Callable[[], Any], sync: Callable[[], None], timer: Callab
 def _sm_clock_mhz(device: int, pynvml_module: Any = None) -> int | None:
     """GPU `device`'s current SM clock, as NVML reports it (None where NVML cannot say)."""
     try:
-        nv = pynvml_module
-        if nv is None:
-            import pynvml as nv
+        nv = pynvml_module if pynvml_module is not None else importlib.import_module("pynvml")
         nv.nvmlInit()
         try:
             return int(nv.nvmlDeviceGetClockInfo(nv.nvmlDeviceGetHandleByIndex(device), nv.NVML_CLOCK_SM))

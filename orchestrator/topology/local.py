@@ -48,6 +48,7 @@ def probe_local(
 ) -> NodeTopology:
     """This node's topology. `num_cpu_slots` (default: the CPU count) sizes a GPU-less node."""
     declared = os.environ.get(TOPOLOGY_FILE_ENV)
+    node: NodeTopology | None
     if declared:
         node = load_topology_file(declared)
         node.source = f"declared:{declared}"
@@ -60,7 +61,6 @@ def probe_local(
         return node
 
     reasons: list[str] = []
-    node: NodeTopology | None
     try:
         node = probe_nvml(pynvml_module)
     except NvmlUnavailable as e:
@@ -194,15 +194,19 @@ def cpu_slot_tflops(seconds: float = 0.2, n: int = 512, passes: int = 5, tries: 
 def steadiest_median(one_pass: Callable[[], float], passes: int, tries: int, max_spread: float) -> float:
     """The median of `passes` calls of `one_pass`, taken again (up to `tries` times in all)
     while their spread, (max - min) / median, is over `max_spread`; the steadiest try's median."""
-    best: tuple[float, float] | None = None  # (spread, median)
-    for _ in range(tries):
+    if passes < 1 or tries < 1:
+        raise ValueError(f"a rate needs at least one pass and one try, got passes={passes}, tries={tries}")
+
+    def one_try() -> tuple[float, float]:  # (spread, median)
         rates = sorted(one_pass() for _ in range(passes))
         median = statistics.median(rates)
-        spread = (rates[-1] - rates[0]) / median if median > 0 else float("inf")
-        if best is None or spread < best[0]:
-            best = (spread, median)
-        if spread <= max_spread:
+        return ((rates[-1] - rates[0]) / median if median > 0 else float("inf")), median
+
+    best = one_try()
+    for _ in range(tries - 1):
+        if best[0] <= max_spread:
             break
+        best = min(best, one_try(), key=lambda t: t[0])
     return best[1]
 
 

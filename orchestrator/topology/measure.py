@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ class Fit:
     """beta: GB/s per direction once latency is paid."""
 
 
-def _weighted_line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+def _weighted_line(sizes: Sequence[float], seconds: list[float]) -> tuple[float, float]:
     """(a, b) of t = a + b s by least squares on relative residuals (weights 1/t)."""
     w = [1.0 / t for t in seconds]
     sw = sum(x * x for x in w)
@@ -73,7 +74,7 @@ def _weighted_line(sizes: list[int], seconds: list[float]) -> tuple[float, float
     return (sy - b * sx) / sw, b
 
 
-def fit_alpha_beta(sizes: list[int] | tuple[int, ...], seconds: list[float]) -> Fit:
+def fit_alpha_beta(sizes: Sequence[float], seconds: list[float]) -> Fit:
     """Least-squares fit of t(s) = alpha + s / beta to (bytes, seconds) samples.
 
     Residuals are relative (weights 1/t) so the microsecond points are not drowned by the
@@ -176,8 +177,8 @@ def pairs_to_measure(node: NodeTopology, quick: bool) -> list[tuple[int, int]]:
 def apply_fits(node: NodeTopology, fits: dict[tuple[int, int], Fit]) -> None:
     """Write measured pairs into their links and each class's median into the unmeasured rest."""
     by_class: dict[tuple[str, int], list[Fit]] = {}
-    for (a, b), fit in fits.items():
-        by_class.setdefault(_link_class(node.link(a, b)), []).append(fit)
+    for (a, b), measured in fits.items():
+        by_class.setdefault(_link_class(node.link(a, b)), []).append(measured)
     for link in node.links:
         fit = fits.get((link.a, link.b))
         if fit is None:
@@ -282,6 +283,8 @@ class BenchWorker:
 
         if self.use_gpu:
             # All of a node's GPUs visible to each rank: NCCL needs to see its peer for P2P.
+            if own is None:
+                raise ValueError("a GPU rank is told which of the visible GPUs is its own")
             os.environ["CUDA_VISIBLE_DEVICES"] = visible or ""
             self.device = torch.device("cuda", (visible or "").split(",").index(own))
             torch.cuda.set_device(self.device)
@@ -546,9 +549,9 @@ def measure_cluster(
             for node in measurable:
                 leaders.append(min(i for i, r in enumerate(ranks) if r.node is node))
             results = ray.get([r.actor.allreduce.remote(leaders, sizes) for r in ranks])
-            n = len(leaders)
+            count = len(leaders)
             # A ring all-reduce moves 2(n-1)/n of the buffer through each node's link.
-            moved = [s * 2 * (n - 1) / n for s in sizes]
+            moved = [s * 2 * (count - 1) / count for s in sizes]
             fit = fit_alpha_beta(moved, results[leaders[0]])
             cluster.network = Network(bandwidth_gbps=round(fit.bandwidth_gbps, 3),
                                       latency_us=round(fit.latency_us, 3), source="measured")

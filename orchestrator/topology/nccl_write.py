@@ -61,7 +61,7 @@ def _cpumask(cpus: str | None) -> str | None:
     bits = 0
     for c in parse_cpu_list(cpus):
         bits |= 1 << c
-    words = []
+    words: list[str] = []
     while bits or not words:
         words.append(f"{bits & 0xFFFFFFFF:08x}")
         bits >>= 32

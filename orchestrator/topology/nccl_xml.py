@@ -132,7 +132,8 @@ def read_nccl_system(text: str, source: str = "nccl-xml") -> NcclSystem:
         nets = nic.findall("net")
         busid = pci.get("busid") if pci is not None else None
         vendor = (pci.get("vendor") or "").lower() if pci is not None else ""
-        for net in nets or [None]:
+        each: list[ET.Element | None] = [*nets] or [None]
+        for net in each:
             name = net.get("name") if net is not None else None
             speed = _int(net.get("speed")) if net is not None else None
             nics.append(XmlNic(

@@ -239,11 +239,11 @@ def _svg_node(node: NodeTopology, title: str, y0: float, width: float) -> tuple[
         large = 1 if a1 - a0 > math.pi else 0
         corners = ((r_out, a0), (r_out, a1), (r_in, a1), (r_in, a0))
         pts = [(cx + r * math.cos(a), cy + r * math.sin(a)) for r, a in corners]
-        d = (f"M{_fmt(pts[0][0])},{_fmt(pts[0][1])} "
-             f"A{_fmt(r_out)},{_fmt(r_out)} 0 {large} 1 {_fmt(pts[1][0])},{_fmt(pts[1][1])} "
-             f"L{_fmt(pts[2][0])},{_fmt(pts[2][1])} "
-             f"A{_fmt(r_in)},{_fmt(r_in)} 0 {large} 0 {_fmt(pts[3][0])},{_fmt(pts[3][1])} Z")
-        parts.append(f'<path d="{d}" fill="{_NUMA_FILL[k]}" stroke="{_NUMA_EDGE[k]}" stroke-width="1"/>')
+        outline = (f"M{_fmt(pts[0][0])},{_fmt(pts[0][1])} "
+                   f"A{_fmt(r_out)},{_fmt(r_out)} 0 {large} 1 {_fmt(pts[1][0])},{_fmt(pts[1][1])} "
+                   f"L{_fmt(pts[2][0])},{_fmt(pts[2][1])} "
+                   f"A{_fmt(r_in)},{_fmt(r_in)} 0 {large} 0 {_fmt(pts[3][0])},{_fmt(pts[3][1])} Z")
+        parts.append(f'<path d="{outline}" fill="{_NUMA_FILL[k]}" stroke="{_NUMA_EDGE[k]}" stroke-width="1"/>')
 
     # Widths scale to the node's fastest link but never below a Gen5 x16 slot, so a PCIe-only
     # node does not draw its paths as thick as an NVLink board would.

@@ -152,7 +152,8 @@ def build(**kwargs) -> GPT:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay matrices (Linear/Embedding weights), not biases or LayerNorm."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue

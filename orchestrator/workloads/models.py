@@ -50,7 +50,7 @@ def load_factory(path: str) -> Callable[..., Any]:
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix, in one line
         raise ConfigError(f"key 'model.factory': cannot import {mod_name!r} ({type(e).__name__}: {e}); "
                           f"it must be importable from the current directory or PYTHONPATH") from e
-    fn = module
+    fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
