@@ -528,9 +528,9 @@ class Worker:
         checkpointer = (Checkpointer(tr, checkpoint_dir, cfg.checkpoint, cfg.train.max_steps, outbox,
                                      announces=self.rank == 0, writer_group=self.writer_group)
                         if checkpoint_dir and cfg.checkpoint.enabled else None)
-        end_of = run_steps(tr, range(start, end), timer, Validator(tr.evaluate, cfg.train.eval_interval,
-                                                                   cfg.train.max_steps),
-                           outbox, checkpointer=checkpointer, metrics=self.metrics, on_step=self._step_done)
+        validator = Validator(tr.evaluate, cfg.train.eval_interval, cfg.train.max_steps)
+        end_of = run_steps(tr, range(start, end), timer, validator, outbox, checkpointer=checkpointer,
+                           metrics=self.metrics, on_step=self._step_done)
         stepped = all(timer.compile_steps.values())
         return {"rank": self.rank, "last_val_loss": end_of.last_val_loss, "state_bytes": tr.par.state_bytes(),
                 "memory": asdict(memory_use(tr.device, self.memory_baseline)),
