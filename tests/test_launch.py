@@ -72,3 +72,10 @@ def test_outside_torchrun_the_launch_says_how_to_start_it():
     assert done.stderr.strip().splitlines() == [
         "error: start this under torchrun (it sets RANK, WORLD_SIZE and the rendezvous): "
         "torchrun --nproc-per-node N -m orchestrator.runtime.launch JOB.yaml"]
+
+
+def test_a_bad_key_is_one_line_from_rank_0_and_the_launch_fails():
+    _, done = _launch(2, "train.max_steps=0")
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and "train.max_steps" in said[0], done.stderr[-2000:]

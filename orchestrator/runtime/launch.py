@@ -9,7 +9,8 @@ would send the driver, one JSON line each: the untrained model's validation loss
 metrics row (metrics.jsonl's keys), each committed checkpoint; then the run's last validation
 loss. Checkpoints are written under `checkpoint.path` where one is given. What only the driver
 does is not done: no recovery (a failed rank ends the launch, as torchrun does), no placement
-(rank r runs on the node's r-th device), no run directory, no resume, one node only.
+beyond the plan's own layout (each rank takes the GPU the plan gives it; no CPU pinning, no
+NCCL settings per NIC), no run directory, no resume, one node only.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def _agreed_plan(cfg: JobConfig, rank: int, world: int) -> Plan:
             made = [plan_here(cfg, world).to_dict()]
         except UserError as e:
             made = [f"error: {e}"]
-    dist.broadcast_object_list(made, src=0)
+    # Over gloo: an NCCL broadcast would bind the group's communicator to a device before the
+    # plan says which GPU each rank runs on.
+    dist.broadcast_object_list(made, src=0, group=None if dist.get_backend() == "gloo" else dist.new_group(
+        backend="gloo"))
     if isinstance(made[0], str):
         raise UserError(made[0].removeprefix("error: "))
     return Plan.from_dict(made[0])
@@ -111,8 +115,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = _agreed_plan(cfg, rank, world)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        # The GPU the plan lays this rank on (its layout keeps tp groups on the fastest links),
+        # numbered as NVML and the plan number them (`main` sets PCI bus order).
+        device = torch.device("cuda", plan.ranks[rank].gpu)
+        torch.cuda.set_device(device)
     checkpoints = cfg.checkpoint.path if cfg.checkpoint.enabled else None
     writers = writer_group() if checkpoints and cfg.checkpoint.async_save else None
     trainer = Trainer(cfg, plan, device)
@@ -150,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 2
-    gpu = torch.cuda.is_available()
-    if gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if gpu else "gloo")
+    # CUDA's device numbers as NVML's (PCI bus order), which the plan's ranks name: before
+    # anything initialises CUDA in this process.
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         answer = run(cfg)
     except UserError as e:
