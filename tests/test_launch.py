@@ -64,6 +64,31 @@ def test_two_ranks_train_as_one_does_with_the_same_global_batch(two_ranks):
     assert one[0]["val_loss"] == pytest.approx(lines[0]["val_loss"], abs=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_launch_trains_as_a_submitted_run_of_the_same_plan_does(two_ranks, tmp_path):
+    """The same loop under torchrun and under Ray's worker actors: the same losses, step by step."""
+    from rich.console import Console
+
+    from orchestrator.config import load_config
+    from orchestrator.connect.cluster import connect
+    from orchestrator.control.driver import run_job
+    from orchestrator.record.rundir import RunDir
+
+    lines, _ = two_ranks
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", [*TINY, "cluster.num_workers=2", "checkpoint.enabled=false",
+                                                   "monitor.progress=false", "monitor.dashboard=false",
+                                                   f"monitor.runs_dir={tmp_path}"])
+    run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    with connect(None, num_cpus=4):
+        summary = run_job(cfg, run, Console(file=open(os.devnull, "w")))
+    submitted = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    launched = [line for line in lines if "loss" in line]
+    assert [r["loss"] for r in launched] == pytest.approx([r["loss"] for r in submitted], abs=1e-5)
+    assert lines[0]["val_loss"] == pytest.approx(summary["first_val_loss"], abs=1e-5)
+    assert launched[-1]["val_loss"] == pytest.approx(summary["final_val_loss"], abs=1e-5)
+
+
 def test_outside_torchrun_the_launch_says_how_to_start_it():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     done = subprocess.run([sys.executable, "-m", "orchestrator.runtime.launch", "jobs/llm.yaml"], cwd=ROOT,
