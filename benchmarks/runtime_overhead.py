@@ -22,8 +22,9 @@ on every launcher in turn):
   sink) took beyond torchrun's in this run's launches so far. Where ours' throughput matches
   it, the gap to torchrun is that CPU and nothing in the step.
 
-Ray Train and torchrun run the runtime's own `Trainer` (one thread per worker, as our
-worker actors use), so only the launcher differs. Each launch is a fresh process that starts
+Ray Train and torchrun run the runtime's own step loop (`orchestrator/runtime/loop.py`, over
+the same `Trainer`, started and calibrated as a worker actor does; one thread per worker, as
+our worker actors use), so only the launcher differs. Each launch is a fresh process that starts
 what it needs (a Ray cluster for ours and Ray Train), as a user's first run does. Figures:
 seconds from launch to the end of the first optimizer step; steady-state tokens/s from the wall
 time between step ends (so whatever a launcher does between steps counts), beside the figure
@@ -106,29 +107,53 @@ def plan_for(job_overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     return plan, pinned
 
 
+class _Rows:
+    """The step loop's sink here: keeps the metrics rows rank 0 sends (`Stepped`), drops the rest."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, item: Any, urgent: bool = False) -> None:
+        from orchestrator.runtime.messages import Stepped
+
+        if isinstance(item, Stepped):
+            self.rows.append(item.row)
+
+    def flush(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
 def train_loop(job_overrides: list[str], plan: dict[str, Any], result: str) -> None:
-    """What a worker actor does, without Ray: build the Trainer under the plan, evaluate,
-    run every step, evaluate; rank 0 writes when its first step ended and every step's time."""
+    """What a worker actor does, without Ray: build the Trainer under the plan, start it, time
+    its compute-only pass, and run the shared step loop (`runtime/loop.py`: evaluate, every
+    step, evaluate); rank 0 writes when each step ended (its row's time) and every step's time."""
     import torch
     import torch.distributed as dist
 
     from orchestrator.config import load_config
     from orchestrator.planning import Plan
+    from orchestrator.runtime.loop import run_steps
+    from orchestrator.runtime.step_timer import StepTimer
     from orchestrator.runtime.trainer import Trainer
+    from orchestrator.runtime.validator import Validator
 
     torch.set_num_threads(1)
     cfg = load_config(JOB, job_overrides)
     # The plan arrives as its JSON contract (plan.json's), as the launchers hand it over.
     tr = Trainer(cfg, Plan.from_dict(plan), torch.device("cpu"))
-    tr.evaluate()
-    ends, steps = [], []
-    for step in range(cfg.train.max_steps):
-        res = tr.train_step(step)
-        ends.append(time.time())
-        steps.append(res.step_s)
-    tr.evaluate()
+    start = tr.start()
+    timer = StepTimer(tr)
+    timer.calibrate()
+    t = cfg.train
+    sink = _Rows()
+    run_steps(tr, range(start, t.max_steps), timer, Validator(tr.evaluate, t.eval_interval, t.max_steps), sink)
     if dist.get_rank() == 0:
-        Path(result).write_text(json.dumps({"step_end": ends, "step_s": steps, "tokens_per_step": tr.tokens_per_step}))
+        Path(result).write_text(json.dumps({"step_end": [r["time"] for r in sink.rows],
+                                            "step_s": [r["step_s"] for r in sink.rows],
+                                            "tokens_per_step": tr.tokens_per_step}))
 
 
 def _ray_train_worker(config: dict[str, Any]) -> None:

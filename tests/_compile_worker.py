@@ -34,23 +34,29 @@ def _losses(cfg, plan) -> list[float]:
 
 
 def _calibrated(cfg, plan) -> dict[str, float] | None:
-    """What a worker's start measures of compiled blocks (`Trainer.compile_times`)."""
+    """What a worker's start measures of compiled blocks (`StepTimer.compile_times`)."""
+    from orchestrator.runtime.step_timer import StepTimer
     from orchestrator.runtime.trainer import Trainer
 
     tr = Trainer(cfg, plan, torch.device("cpu"))
     tr.start()
-    times = tr.compile_times
-    del tr
+    timer = StepTimer(tr)
+    timer.calibrate()
+    times = timer.compile_times
+    del tr, timer
     gc.collect()
     return times
 
 
 def _stepped(cfg, plan) -> dict:
-    """A compiled run of COMPILE_GAIN_STEPS' length: the steps it timed each way, and at which
-    steps its blocks were put eager (`torch.compiler.set_stance` watched)."""
-    from orchestrator.runtime.trainer import COMPILE_GAIN_STEPS, Trainer
+    """A compiled run of COMPILE_GAIN_STEPS' length, stepped as the loop steps it: the steps it
+    timed each way, and at which steps its blocks were put eager (`torch.compiler.set_stance`
+    watched)."""
+    from orchestrator.runtime.step_timer import COMPILE_GAIN_STEPS, StepTimer
+    from orchestrator.runtime.trainer import Trainer
 
     tr = Trainer(cfg, plan, torch.device("cpu"))
+    timer = StepTimer(tr)
     stances, step_now = [], [None]
     real = torch.compiler.set_stance
 
@@ -62,11 +68,12 @@ def _stepped(cfg, plan) -> dict:
     try:
         for s in range(COMPILE_GAIN_STEPS.stop):
             step_now[0] = s
-            tr.train_step(s)
+            with timer.gain_stance(s):
+                timer.record(tr.train_step(s))
     finally:
         torch.compiler.set_stance = real
-    out = {"compile_steps": tr.compile_steps, "eager_at": [s for s, st in stances if st == "force_eager"]}
-    del tr
+    out = {"compile_steps": timer.compile_steps, "eager_at": [s for s, st in stances if st == "force_eager"]}
+    del tr, timer
     gc.collect()
     return out
 

@@ -107,6 +107,7 @@ def run_accum(rank: int, world: int, init_file: str, plans: dict, out_dir: str) 
     were held when each micro-step after the first began."""
     from orchestrator.config import load_config
     from orchestrator.planning import Plan
+    from orchestrator.runtime.step_timer import StepTimer
     from orchestrator.runtime.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -117,13 +118,15 @@ def run_accum(rank: int, world: int, init_file: str, plans: dict, out_dir: str) 
         for mode, plan in plans.items():
             tr = Trainer(load_config(None, accum_overrides(mode)), Plan.from_dict(plan), torch.device("cpu"))
             tr.start()  # what a worker does first: calibration must not leave unsharded gradients
+            timer = StepTimer(tr)
+            timer.calibrate()
             after_start = _unsharded_grads_held(tr.par.model)
             held: list[bool] = []
             hook = tr.par.model.register_forward_pre_hook(lambda m, a, held=held: held.append(_unsharded_grads_held(m)))
             losses = [tr.train_step(s).loss for s in range(2)]
             hook.remove()
             out[mode] = {"losses": losses, "held": held, "accum": tr.accum, "after_start": after_start,
-                         "calibrated": tr.compute_micro_s is not None,
+                         "calibrated": timer.compute_micro_s is not None,
                          "reduce_every": tr.execution.reduce_every_micro_step}
             del tr
             gc.collect()

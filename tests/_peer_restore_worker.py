@@ -21,6 +21,7 @@ from _reshard_worker import MODELS, PlanCase, _forced, overrides
 from orchestrator.config import load_config
 from orchestrator.planning import Plan
 from orchestrator.runtime.peer_state import PeerRestore, hold
+from orchestrator.runtime.step_timer import StepTimer
 from orchestrator.runtime.trainer import Trainer
 
 HELD_AT = 2
@@ -56,11 +57,13 @@ def run_rank(rank: int, init_prefix: str, spec_file: str, out_file: str) -> None
         _group(f"{init_prefix}-{n}-a", rank)
         tr = _trainer(case, plan)
         tr.start()
+        StepTimer(tr).calibrate()
         reference = [tr.train_step(s).loss for s in range(STEPS)]
         del tr
         gc.collect()
         tr = _trainer(case, plan)
         tr.start()
+        StepTimer(tr).calibrate()
         for s in range(HELD_AT):
             tr.train_step(s)
         held = hold(tr.held_tensors(), tr.applied)
@@ -76,6 +79,7 @@ def run_rank(rank: int, init_prefix: str, spec_file: str, out_file: str) -> None
         tr = _trainer(case, plan, resuming=True)
         source = {int(k): v for k, v in spec["source"][case.name].items()}
         step = tr.start(PeerRestore(step=HELD_AT, source=source), held)
+        StepTimer(tr).calibrate()
         restored = [tr.train_step(s).loss for s in range(step, STEPS)]
         out[case.name] = {"reference": reference, "restored": restored, "digests": digests, "step": step}
         del tr, held

@@ -24,6 +24,7 @@ from orchestrator.config import load_config
 from orchestrator.control.preflight import measure_model
 from orchestrator.planning import plan_job
 from orchestrator.runtime import checkpoint
+from orchestrator.runtime.step_timer import StepTimer
 from orchestrator.runtime.trainer import Trainer
 from orchestrator.topology.model import ClusterTopology, cpu_node
 
@@ -144,6 +145,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_file: str, out_file: st
             tr = _trainer(model, cases[name], spec["plans"][model][name])
             if calibrate:  # what a worker does before its first step
                 tr.start()
+                StepTimer(tr).calibrate()
             key = f"{model}/{name}" + ("" if calibrate else "/uncalibrated")
             losses, path = _train(tr, 0, _root(root, model, name) if calibrate else None)
             out["train"][key] = {"losses": losses, "checkpoint": path}
@@ -154,6 +156,7 @@ def run_rank(rank: int, world: int, init_file: str, spec_file: str, out_file: st
             t0 = time.perf_counter()
             tr = _trainer(model, cases[name], spec["plans"][model][name])
             tr.start()
+            StepTimer(tr).calibrate()
             for path in paths:
                 key = f"{model}/{name}<{path}"
                 try:

@@ -261,6 +261,26 @@ def test_runtime_overhead_pins_the_plan_and_summarizes_ratios():
     assert short["ratios"]["wall_auto_over_eager"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
+def test_runtime_overhead_torchrun_ranks_run_the_shared_step_loop(tmp_path):
+    """The torchrun launcher's ranks (`--child torchrun`) train the pinned plan through the
+    runtime's own loop; rank 0 writes every step's end and time."""
+    import os
+    import subprocess
+
+    plan, pinned = runtime_overhead.plan_for(runtime_overhead.overrides(3))
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"overrides": pinned, "plan": plan, "result": str(result)}))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(BENCH / "runtime_overhead.py"), "--child", "torchrun", "--spec", str(spec)],
+                          cwd=BENCH.parent, env={**os.environ, "PYTHONPATH": str(BENCH.parent), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(result.read_text())
+    assert len(got["step_end"]) == len(got["step_s"]) == 3 and got["step_end"] == sorted(got["step_end"])
+    assert all(s > 0 for s in got["step_s"]) and got["tokens_per_step"] > 0
+
+
 def test_runtime_overhead_loads_torchrun_with_what_ours_other_processes_took_beyond_its_own():
     def run(launcher: str, others: float, tokens: float = 1000.0) -> dict:
         return {"launcher": launcher, "first_step_s": 5.0, "tokens_per_s": tokens,

@@ -127,6 +127,7 @@ def test_a_resuming_trainer_only_allocates_and_takes_every_weight_from_the_check
     from orchestrator.config import load_config
     from orchestrator.planning import plan_job
     from orchestrator.runtime import trainer as trainer_module
+    from orchestrator.runtime.step_timer import StepTimer
     from orchestrator.runtime.trainer import Trainer
     from orchestrator.topology.model import ClusterTopology, cpu_node
 
@@ -135,6 +136,7 @@ def test_a_resuming_trainer_only_allocates_and_takes_every_weight_from_the_check
     plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(1)]))
     first = Trainer(cfg, plan, torch.device("cpu"))
     first.start()
+    StepTimer(first).calibrate()
     for step in range(2):
         first.train_step(step)
     path = checkpoint.save(str(tmp_path), 2, first.state_dict(), first.checkpoint_meta(), keep_last=1)
@@ -148,6 +150,7 @@ def test_a_resuming_trainer_only_allocates_and_takes_every_weight_from_the_check
     monkeypatch.setattr(trainer_module, "init_recipe", never)
     resumed = Trainer(cfg, plan, torch.device("cpu"), resuming=True)
     assert resumed.start(path) == 2
+    StepTimer(resumed).calibrate()  # the compute is timed on the loaded weights
     got = resumed.par.model.state_dict()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name

@@ -169,6 +169,11 @@ def test_steps_trained_both_ways_are_the_gain_a_later_plan_prices_back(tmp_path)
     # A plan.json from before the blocks' time was kept: the passes' figure, said as such.
     old = replace(plan, compile=replace(plan.compile, block_compute_s=0.0))
     assert compile_record(old, rows, finals, setups)["measured_speedup_from"] == "passes"
+    # The steps that timed the gain are named, by metrics row, where the ranks said which they were.
+    assert "gain_steps" not in rec
+    named = {"eager": [3, 5, 7, 9], "compiled": [4, 6, 8, 10]}
+    assert compile_record(plan, rows, [{**f, "compile_gain_steps": named} for f in finals],
+                          setups)["gain_steps"] == named
 
 
 def test_speedup_from_saving_inverts_the_saving_and_caps_noise():

@@ -192,12 +192,12 @@ class _Sink:
 
 
 def test_the_outbox_sends_steps_together_urgent_items_at_once_and_keeps_their_order(monkeypatch):
-    from orchestrator.runtime import worker
+    from orchestrator.runtime import outbox
 
     now = [100.0]
-    monkeypatch.setattr(worker.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(outbox.time, "monotonic", lambda: now[0])
     sink = _Sink()
-    box = worker.Outbox(sink, interval_s=0.5)
+    box = outbox.Outbox(sink, interval_s=0.5)
     box.add({"step": 1})
     now[0] += 0.2
     box.add({"step": 2})

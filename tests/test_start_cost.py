@@ -66,13 +66,14 @@ import json, os, sys, time
 import torch, torch.distributed as dist
 from orchestrator.config import load_config
 from orchestrator.planning import plan_job
-from orchestrator.runtime import trainer as trainer_module
+from orchestrator.runtime import step_timer as timer_module
+from orchestrator.runtime.step_timer import StepTimer
 from orchestrator.runtime.trainer import Trainer
 from orchestrator.topology.model import ClusterTopology, cpu_node
 rank, world, init, strategy, budget, slow_s, micro = sys.argv[1:8]
 rank, world, budget, slow_s = int(rank), int(world), float(budget), float(slow_s)
 torch.set_num_threads(1)
-trainer_module.CALIBRATION_BUDGET_S = budget
+timer_module.CALIBRATION_BUDGET_S = budget
 dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
 cfg = load_config(None, ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
                          "train.global_batch_size=4", "train.max_steps=2", f"cluster.num_workers={world}",
@@ -85,7 +86,9 @@ def hook(*_):
         time.sleep(slow_s)  # this rank's passes are the slow ones
 tr.par.model.register_forward_hook(hook)
 tr.start()
-print(json.dumps({"forwards": len(forwards), "compute_micro_s": tr.compute_micro_s}), flush=True)
+timer = StepTimer(tr)
+timer.calibrate()
+print(json.dumps({"forwards": len(forwards), "compute_micro_s": timer.compute_micro_s}), flush=True)
 dist.destroy_process_group()
 os._exit(0)  # past torch's gloo teardown at interpreter exit, which can abort once the work is done
 """

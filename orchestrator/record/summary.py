@@ -58,16 +58,18 @@ def peak_memory_warning(plan_total: int, finals: list[dict[str, Any]]) -> str | 
 def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str, Any]],
                    setups: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """What compiling the blocks cost and bought against the plan's figures. Where the ranks
-    timed their compute-only pass compiled and eager (`Trainer.calibrate_compute`): the slowest
+    timed their compute-only pass compiled and eager (`StepTimer.calibrate`): the slowest
     rank's compile, the pass's speedup and the blocks' own (`block_speedup`), the medians over
     the ranks. Otherwise (a pipeline; FSDP2 holding only sharded gradients under a plan priced
     from a measured gain, which is not timed again) the cost is the first step's time over the
     steady step's (the first step compiles). Where the ranks also trained steps both ways
-    (`Trainer.compile_steps`, a run of COMPILE_GAIN_STEPS or more): the whole step's speedup
+    (`StepTimer.compile_steps`, a run of COMPILE_GAIN_STEPS or more): the whole step's speedup
     (the fastest step of each kind, the median over the ranks), and the blocks' speedup is the
     one that saves what the steps saved (`speedup_from_saving`): what a step gains, collectives
-    and optimizer included, is what `auto` prices, and the passes are its fallback. And each
-    rank's inductor cache hits and misses (a restart on the same node hits, misses 0)."""
+    and optimizer included, is what `auto` prices, and the passes are its fallback; `gain_steps`
+    names those steps (metrics rows' `step`), eager and compiled, so no row's time is read as a
+    production step's unknowingly. And each rank's inductor cache hits and misses (a restart on
+    the same node hits, misses 0)."""
     c = plan.compile
     out: dict[str, Any] = {"enabled": c.enabled, "requested": c.requested, "reason": c.reason,
                            "predicted_compile_s": c.compile_s, "predicted_saving_s_per_step": c.saving_s_per_step}
@@ -89,6 +91,9 @@ def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str
         eager = statistics.median(min(t["eager_s"]) for t in stepped)
         compiled = statistics.median(min(t["compiled_s"]) for t in stepped)
         out["measured_step_speedup"] = eager / compiled
+        named = [f["compile_gain_steps"] for f in finals if f.get("compile_gain_steps")]
+        if named:  # every rank trains the same steps each way
+            out["gain_steps"] = named[0]
         out["measured_saving_s_per_step"] = eager - compiled
         if c.block_compute_s > 0:
             out["measured_speedup"] = speedup_from_saving(c.block_compute_s, eager - compiled)

@@ -1,4 +1,5 @@
-"""The training loop of one rank, free of Ray: a worker actor drives it, so can torchrun.
+"""One rank's model, data, optimizer and step under a plan, free of Ray: the step loop
+(`loop.py`) drives it, under a worker actor or torchrun alike.
 
 One optimizer step = `grad_accum_steps` micro-steps over this rank's data-parallel share of
 the step's global batch; gradients are synchronised on the last micro-step, or on every one
@@ -40,31 +41,25 @@ from .state_names import canonical, restore_names, tied_aliases
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
 
-CALIBRATION_BUDGET_S = 0.1
-"""Seconds of timed passes the compute-only baseline (`calibrate_compute`) takes after its
-warm-up before it stops: a GPU's millisecond passes are all timed, a pass this long or longer
-only once, so the baseline costs a start or restart at most about two passes (four, before)."""
-COMPILE_PASSES = 3
-"""Passes a start with compiled blocks times each way (compiled, eager) to measure the gain:
-one of each alone is within the host's spread of a few percent."""
-COMPILE_GAIN_STEPS = range(2, 10)
-"""The optimizer steps (counted from 0) a compiled run times to measure what compiling gains a
-whole step: the even ones train with the blocks eager, each beside the compiled step after it,
-so the host's drift hits both kinds. Fixed step numbers, so a run that restarts inside them
-trains each of them as the uninterrupted run did."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class StepResult:
+    """What one optimizer step did and took, as the step itself measured it."""
+
     step: int
+    """The step's number, counted from 0."""
     loss: float
+    """Mean training loss over the whole global batch."""
     lr: float
+    """The learning rate the update used."""
     step_s: float
+    """Wall seconds of the whole step, data to update."""
     tokens_per_s: float
+    """The global batch's tokens over `step_s`."""
     grad_norm: float
-    exposed_comm_s: float | None = None
-    """Step time not explained by compute: step - optimizer - micro-steps x compute-only time."""
-    val_loss: float | None = None
+    """The gradients' total norm before clipping (nan where clipping is off)."""
+    optimizer_s: float
+    """Seconds of the update itself (unscale, clip, step, zero), timed on the device's stream:
+    what the step timer subtracts to find exposed communication."""
 
 
 class Trainer:
@@ -137,16 +132,6 @@ class Trainer:
         # only, where every rank holds whole gradients and the scaler's inf check agrees.
         self.scaler = torch.amp.GradScaler(device.type) if ex.loss_scaling else None
         self.tokens_per_step = gb * m.block_size
-        self.compute_micro_s: float | None = None
-        self.compile_times: dict[str, float] | None = None
-        """Compiled blocks only: what compiling took, the compute-only pass compiled, and eager
-        where the gain was timed (`calibrate_compute`)."""
-        gain = self.compiled and not plan.compile.measured and t.max_steps >= COMPILE_GAIN_STEPS.stop
-        self._gain_steps = COMPILE_GAIN_STEPS if gain else range(0)
-        self.compile_steps: dict[str, list[float]] = {"eager_s": [], "compiled_s": []}
-        """The seconds of the steps of COMPILE_GAIN_STEPS this rank trained, by how its blocks
-        ran; empty where the gain is not timed (eager, a plan priced from a measured gain, a run
-        shorter than those steps)."""
         self.applied = 0
         """Optimizer steps the model's state has applied (a step's update counts once made)."""
 
@@ -239,92 +224,16 @@ class Trainer:
             return start.elapsed_time(end) / 1000.0
         return end - start
 
-    def _sync(self) -> None:
+    def sync_device(self) -> None:
+        """Wait for the device's queued work (a CPU has none)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def calibrate_compute(self, repeats: int = 3) -> float | None:
-        """Seconds of one micro-step's forward and backward with gradient sync off: the
-        compute-only baseline that exposed communication is measured against: the fastest of up
-        to `repeats` timed passes after a warm-up, as many as fit CALIBRATION_BUDGET_S (at least
-        one). The loss is scaled by zero, so the backward passes cost what real ones do and
-        leave only zero gradients behind: FSDP2 keeps what a backward without sync accumulates in its own
-        unsharded buffers, out of the optimizer's reach, and adds it to the next synced step's
-        gradient. (Sharded strategies still all-gather parameters inside it, so their figure
-        counts gradient communication only.) None under a pipeline, whose stages cannot run a
-        micro-batch apart from the schedule, and where FSDP2 is planned to hold only sharded
-        gradients (`holds_unsharded_grads`): a backward without sync would hold the whole
-        model's unsharded gradients at once, memory the plan does not have. Compiled blocks
-        are also timed eager (`compile_times`), on passes that sync where no pass may skip it."""
-        if self.pipelined:
-            return None
-        x, y = self.data.train_batch(0, self.cfg.train.global_batch_size, self.dp_rank, self.dp_world)
-        x, y = x[: self.micro].to(self.device), y[: self.micro].to(self.device)
-        self.par.model.train()
-        # A gain priced from a measurement is not timed again: a dozen passes would cost the run.
-        gain = self.compiled and not self.plan.compile.measured
-        if not self.holds_unsharded_grads():
-            if gain:
-                self.compile_times = self._compile_gain(x, y, True, self._timed_pass(x, y, sync=True))
-                self.par.zero_grad()
-            return None
-        # The warm-up pays for allocation (and compiling), which the first step then does not.
-        warm_up = self._timed_pass(x, y)
-        times = [self._timed_pass(x, y)]
-        # Every start and restart waits for these passes, so they stop at CALIBRATION_BUDGET_S.
-        # Sharded passes gather parameters, so every rank must run as many: the count follows
-        # the slowest rank's first pass.
-        slowest = torch.tensor([times[0]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        more = max(0, min(repeats, int(CALIBRATION_BUDGET_S // max(slowest.item(), 1e-9))) - 1)
-        times += [self._timed_pass(x, y) for _ in range(more)]
-        # The fastest is the figure: other work on the host only ever adds to a pass.
-        self.compute_micro_s = min(times)
-        if gain:
-            self.compile_times = self._compile_gain(x, y, False, warm_up)
-        elif self.compiled:
-            self.compile_times = {"compiled_s": self.compute_micro_s,
-                                  "compile_s": max(0.0, warm_up - self.compute_micro_s)}
-        self.par.zero_grad()
-        return self.compute_micro_s
-
-    def _timed_pass(self, x: torch.Tensor, y: torch.Tensor, sync: bool = False) -> float:
-        """Seconds of one forward and backward of the loss scaled by zero (zero gradients)."""
-        self._sync()
-        t0 = time.perf_counter()
-        with contextlib.nullcontext() if sync else self.par.no_sync():
-            with self._autocast():
-                loss = self._loss(self.par.model, x, y) * 0.0
-            loss.backward()
-        self._sync()
-        return time.perf_counter() - t0
-
-    def _compile_gain(self, x: torch.Tensor, y: torch.Tensor, sync: bool, warm_up: float) -> dict[str, float]:
-        """What compiling bought, for a later plan's `auto` (calibration.py), and what it cost:
-        COMPILE_PASSES passes with the blocks compiled and as many eager, alternating so the
-        host's drift hits both, the fastest of each; `warm_up`, the pass that compiled them,
-        over the fastest compiled one is the compile."""
-        with torch.compiler.set_stance("force_eager"):
-            self._timed_pass(x, y, sync)  # the eager path's own first use
-        compiled, eager = [], []
-        for _ in range(COMPILE_PASSES):
-            compiled.append(self._timed_pass(x, y, sync))
-            with torch.compiler.set_stance("force_eager"):
-                eager.append(self._timed_pass(x, y, sync))
-        fastest = min(compiled)
-        return {"compiled_s": fastest, "eager_s": min(eager), "compile_s": max(0.0, warm_up - fastest)}
-
-    def holds_unsharded_grads(self) -> bool:
-        """Whether the plan already holds whole (unsharded) gradients between backward passes:
-        DDP and ZeRO-1 always; FSDP2 when it accumulates them until the last micro-step."""
-        ex = self.execution
-        return ex.ddp_reduces or (self.accum > 1 and not ex.reduce_every_micro_step)
-
     def start(self, resume_from: str | PeerRestore | None = None, held: Held | None = None) -> int:
         """Ready the rank to train, as every launcher does: load `resume_from` if given (a
-        checkpoint, or the survivors' memory, this rank's own `held` copy among it), then
-        calibrate the compute-only step time (on the loaded weights: a trainer built `resuming`
-        holds uninitialised memory until then). Returns the step to train from."""
+        checkpoint, or the survivors' memory, this rank's own `held` copy among it). Returns the
+        step to train from. What the rank measures before its first step is the step timer's
+        (`step_timer.StepTimer.calibrate`), run after this."""
         if self.resuming and not resume_from:
             raise RuntimeError("this trainer was built to resume (its weights only allocated) but start() got "
                                "no checkpoint to load")
@@ -333,7 +242,6 @@ class Trainer:
         else:
             step = self.load_checkpoint(resume_from) if resume_from else 0
         self.applied = step
-        self.calibrate_compute()
         return step
 
     def _global_mean(self, value: torch.Tensor) -> float:
@@ -364,17 +272,7 @@ class Trainer:
         return total
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step; within COMPILE_GAIN_STEPS every other one with the blocks eager,
-        its time kept in `compile_steps`."""
-        if step not in self._gain_steps:
-            return self._train_step(step)
-        eager = (step - self._gain_steps.start) % 2 == 0
-        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
-            res = self._train_step(step)
-        self.compile_steps["eager_s" if eager else "compiled_s"].append(res.step_s)
-        return res
-
-    def _train_step(self, step: int) -> StepResult:
+        """Optimizer step `step` (counted from 0), as the plan runs it."""
         t = self.cfg.train
         t0 = time.perf_counter()
         # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run
@@ -406,16 +304,12 @@ class Trainer:
         self.applied = step + 1
         self.par.zero_grad()
         opt_end = self._mark()
-        self._sync()  # the step's end: its marks are done
-        opt_s = self._seconds(opt_start, opt_end)
+        self.sync_device()  # the step's end: its marks are done
         step_s = time.perf_counter() - t0
-        exposed = None
-        if self.compute_micro_s is not None:
-            exposed = max(0.0, step_s - opt_s - self.accum * self.compute_micro_s)
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
                           tokens_per_s=self.tokens_per_step / step_s,
                           grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                          exposed_comm_s=exposed)
+                          optimizer_s=self._seconds(opt_start, opt_end))
 
     @torch.no_grad()
     def evaluate(self) -> float:

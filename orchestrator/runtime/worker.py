@@ -1,4 +1,5 @@
-"""The worker actor: one per GPU (or CPU slot), a thin Ray shell around the Trainer.
+"""The worker actor: one per GPU (or CPU slot), a thin Ray shell around the Trainer and the
+step loop (`loop.py`).
 
 The actor runs its whole step range in one call and pushes each step's metrics to the
 driver's sink without waiting for an answer, so the training loop never blocks on Ray and the
@@ -23,10 +24,11 @@ from typing import Any
 import ray
 
 from ..planning import Plan
-from .messages import Committed, Ended, Evaluated, Message, RankTimes, Stepped
+from .messages import Message
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
 from .nccl_env import apply as apply_nccl
+from .outbox import Outbox
 from .peer_state import Held, PeerRestore, hold
 
 
@@ -190,17 +192,8 @@ class RankLeft(RuntimeError):
     process group; the process stays for the next `setup`."""
 
 
-TIMES_BATCH = 10
-"""Steps of per-rank timings sent to the driver at once (one small message per rank per batch)."""
-
 ROWS_KEPT = 4096
 """Metrics rows a rank keeps: a restore from memory needs those its rank 0 had not sent yet."""
-
-SEND_INTERVAL_S = 0.5
-"""Rank 0's step rows wait at most this long before they go to the driver's sink, together: the
-driver drains the sink every half second anyway, and each remote call costs the sending rank, the
-sink's process and Ray's own processes CPU time that a step on a busy host then misses."""
-
 
 @ray.remote
 class MetricsSink:
@@ -218,31 +211,6 @@ class MetricsSink:
     def drain(self) -> list[Message]:
         items, self._items = self._items, []
         return items
-
-
-class Outbox:
-    """What a rank sends the driver's sink, sent in batches: at once when `urgent`, else with the
-    first item added once the oldest waiting one is SEND_INTERVAL_S old (so an item waits at most
-    that and one step). Items keep their order: one caller's calls to an actor run in the order
-    they were made."""
-
-    def __init__(self, sink, interval_s: float = SEND_INTERVAL_S) -> None:
-        self._sink = sink
-        self._interval_s = interval_s
-        self._items: list[Message] = []
-        self._since = 0.0
-
-    def add(self, item: Message, urgent: bool = False) -> None:
-        if not self._items:
-            self._since = time.monotonic()
-        self._items.append(item)
-        if urgent or time.monotonic() - self._since >= self._interval_s:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._items:
-            self._sink.put_many.remote(self._items)
-            self._items = []
 
 
 # Liveness and stack dumps answer on their own thread: a rank busy in a step, or blocked in a
@@ -263,6 +231,8 @@ class Worker:
                          name="import-runtime", daemon=True).start()
         self.niceness_note = _normal_priority()
         self.trainer = None
+        self.timer = None
+        """The trainer's step timer, made with it in `setup`."""
         # Held while the process group is torn down: an abort from the control thread racing a
         # `leave` on the main one leaves torch's group registry half cleared, and the next
         # group's names then collide with stale ones.
@@ -353,6 +323,7 @@ class Worker:
         import torch
 
         from .rendezvous import join
+        from .step_timer import StepTimer
         from .trainer import Trainer
 
         # What is left of the runtime's import (started with the actor) is part of building
@@ -409,18 +380,19 @@ class Worker:
         t_build = time.monotonic()
         self.metrics = TrainMetrics(cfg.name, self.rank, planned_bytes=plan.memory_per_rank.total,
                                     baseline_bytes=self.memory_baseline)
-        # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
-        self.flops_per_rank_step = plan.model.flops_per_step / self.world
-        self.peak_flops = plan.model.peak_tflops_per_rank * 1e12
         start = self.trainer.start(resume_from, held)
         del held
+        # Measured on the loaded weights, before the first step: the compute-only baseline and,
+        # for compiled blocks, what compiling gains.
+        self.timer = StepTimer(self.trainer)
+        self.timer.calibrate()
         self._completed = start
         timings = {"process_group_s": t_group - t0, "model_build_s": importing_s + t_build - t_group,
                    "state_restore_s": time.monotonic() - t_build}
         return {"num_params": self.trainer.num_params, "timings": timings,
                 "notes": notes + self.trainer.build_notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
-                "compile_times": self.trainer.compile_times,
+                "compile_times": self.timer.compile_times,
                 "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
 
@@ -491,7 +463,12 @@ class Worker:
         run). Returns each step's (seconds, exposed communication seconds or None)."""
         failed = None
         try:
-            times = [(r.step_s, r.exposed_comm_s) for r in (self.trainer.train_step(s) for s in range(steps))]
+            times = []
+            for step in range(steps):
+                # As the run would train it: a compiled plan's gain steps with their blocks as the timer names.
+                with self.timer.gain_stance(step):
+                    result = self.trainer.train_step(step)
+                times.append((result.step_s, self.timer.exposed_comm_s(result)))
         except Exception as e:  # noqa: BLE001 - re-raised below, as text
             failed = "".join(traceback.format_exception(e))
         self.leave()  # outside the except block: see `train`
@@ -522,6 +499,7 @@ class Worker:
         import torch.distributed as dist
 
         self.trainer = None
+        self.timer = None
         self.writer_group = None
         with self._group_lock:
             if dist.is_initialized():
@@ -539,80 +517,32 @@ class Worker:
             torch.cuda.empty_cache()
 
     def _train(self, start: int, end: int, sink, checkpoint_dir: str | None) -> dict[str, Any]:
-        from . import checkpoint
+        from .checkpointer import Checkpointer
         from .compile import cache_counters
+        from .loop import run_steps
+        from .validator import Validator
 
-        tr = self.trainer
+        tr, timer = self.trainer, self.timer
         cfg = tr.cfg
         outbox = Outbox(sink)
-        last_val = None
-        if start == 0:
-            last_val = tr.evaluate()  # the untrained model's loss: the baseline of the curve
-            if self.rank == 0:
-                outbox.add(Evaluated(step=0, val_loss=last_val), urgent=True)
-        times: list[tuple[float, float]] = []  # this rank's own timings, for the straggler report
-        pending = None  # a checkpoint being written in the background, committed after the next step
-        overhead_s = 0.0  # this loop's own work per step: reporting, not training
-        for step in range(start, end):
-            res = tr.train_step(step)
-            done = step + 1  # metrics count completed optimizer steps
-            final = done == cfg.train.max_steps
-            evaluated = done % cfg.train.eval_interval == 0 or final
-            t_report = time.perf_counter()
-            row = {**asdict(res), "step": done, "time": time.time()}
-            if self.peak_flops:
-                row["mfu"] = self.flops_per_rank_step / res.step_s / self.peak_flops
-            # The step is whole before its evaluation: one that loses a peer costs only its
-            # validation loss, not a restore from memory.
-            self._rows.append(row)
-            self._completed = done
-            if evaluated:
-                overhead_s += time.perf_counter() - t_report
-                row["val_loss"] = last_val = tr.evaluate()
-                t_report = time.perf_counter()
-            self.metrics.record_step(row)
-            if self.rank == 0:
-                # The first step at once: it closes the driver's clock of this start or restart.
-                outbox.add(Stepped(row=dict(row)), urgent=evaluated or step == start)
-            times.append((res.step_s, res.exposed_comm_s))
-            if len(times) >= TIMES_BATCH or final:
-                # Already a batch: sent now, or the other ranks' timings (their only items) would
-                # wait a batch more for the straggler report.
-                outbox.add(RankTimes(rank=self.rank, times=tuple(times)), urgent=True)
-                times = []
-            overhead_s += time.perf_counter() - t_report
-            if pending is not None:
-                # After this step's row: a commit that loses a peer leaves the step whole here.
-                outbox.flush()  # every row before a checkpoint reaches the driver before it is committed
-                self._committed(pending.commit(), pending.step, outbox)
-                pending = None
-            every = cfg.checkpoint.interval
-            if checkpoint_dir and cfg.checkpoint.enabled and (final or (every and done % every == 0)):
-                meta = tr.checkpoint_meta()
-                if self.writer_group is not None and not final:
-                    pending = checkpoint.save_async(checkpoint_dir, done, tr.state_dict(), meta,
-                                                    cfg.checkpoint.keep_last, self.writer_group)
-                else:  # the last one: nothing left to overlap it with
-                    outbox.flush()  # as before a commit above
-                    path = checkpoint.save(checkpoint_dir, done, tr.state_dict(), meta, cfg.checkpoint.keep_last)
-                    self._committed(path, done, outbox)
-        if pending is not None:  # end < max_steps: the run stops here, its last checkpoint still counts
-            self._committed(pending.commit(), pending.step, outbox)
-        outbox.flush()
-        self.metrics.flush()  # the last steps' values now, not at the exporter's next tick
-        if self.rank == 0:
-            # Calls from one caller run in order: once this returns, the sink holds every item
-            # above, so the driver's last drain after this method returns misses nothing.
-            ray.get(sink.put.remote(Ended()))
-        return {"rank": self.rank, "last_val_loss": last_val, "state_bytes": tr.par.state_bytes(),
+        checkpointer = (Checkpointer(tr, checkpoint_dir, cfg.checkpoint, cfg.train.max_steps, outbox,
+                                     announces=self.rank == 0, writer_group=self.writer_group)
+                        if checkpoint_dir and cfg.checkpoint.enabled else None)
+        validator = Validator(tr.evaluate, cfg.train.eval_interval, cfg.train.max_steps)
+        end_of = run_steps(tr, range(start, end), timer, validator, outbox, checkpointer=checkpointer,
+                           metrics=self.metrics, on_step=self._step_done)
+        stepped = all(timer.compile_steps.values())
+        return {"rank": self.rank, "last_val_loss": end_of.last_val_loss, "state_bytes": tr.par.state_bytes(),
                 "memory": asdict(memory_use(tr.device, self.memory_baseline)),
-                "overhead_s_per_step": overhead_s / max(1, end - start),
+                "overhead_s_per_step": end_of.overhead_s_per_step,
                 "compile_cache": cache_counters() if tr.compiled else None,
-                "compile_steps": tr.compile_steps if all(tr.compile_steps.values()) else None}
+                "compile_steps": timer.compile_steps if stepped else None,
+                "compile_gain_steps": timer.gain_steps_trained if stepped else None}
 
-    def _committed(self, path: str, step: int, outbox: Outbox) -> None:
-        if self.rank == 0:
-            outbox.add(Committed(step=step, path=str(path)), urgent=True)
+    def _step_done(self, row: dict[str, Any]) -> None:
+        """A step is whole (applied, its row made): a restore from memory may start after it."""
+        self._rows.append(row)
+        self._completed = row["step"]
 
     def shutdown(self) -> None:
         import torch.distributed as dist
