@@ -26,8 +26,6 @@ from .pipeline import bubble_fraction, resolve_pipeline, slowest_stage, stage_co
 from .resolve import Execution, Unsupported, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
 
-GB = 1e9
-
 
 @dataclass(frozen=True)
 class JobContext:
