@@ -171,7 +171,7 @@ def test_no_module_takes_part_in_an_import_cycle():
 # reaches down into what runs in a worker (runtime), never the reverse; the planner sees the
 # topology model and the config, nothing that runs; the CLI commands sit on top of it all.
 LAYERS: list[tuple[str, ...]] = [
-    ("orchestrator.errors", "orchestrator.choices"),
+    ("orchestrator.errors", "orchestrator.choices", "orchestrator.serialize"),
     ("orchestrator.data",),
     ("orchestrator.config",),
     ("orchestrator.topology", "orchestrator.testbed"),

@@ -12,7 +12,7 @@ from clusters import dgx_a100
 
 from orchestrator.choices import PipelineSchedule
 from orchestrator.config import load_config
-from orchestrator.planning import plan_job
+from orchestrator.planning import Plan, job_context, plan_job
 from orchestrator.planning.cost import Choice, estimate
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout, in_node_shape
@@ -26,7 +26,6 @@ from orchestrator.planning.pipeline import (
     split_layers,
     stage_share,
 )
-from orchestrator.planning.plan import Plan, job_context
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Network
 

@@ -41,6 +41,7 @@ def test_a_plan_written_before_its_later_keys_loads_with_their_stated_defaults()
         del stored[key]
     for key in ("flat_reason", "notes", "pipeline", "reduce_every_micro_step"):
         del stored["execution"][key]
+    del stored["sync"]["accum_sync"]  # written with reduce_every_micro_step, as the runtime's choice of it
     plan = Plan.from_dict(stored)
     assert plan.alternatives == () and plan.explanation == () and plan.left_out == ()
     assert plan.compile == EAGER
@@ -48,3 +49,11 @@ def test_a_plan_written_before_its_later_keys_loads_with_their_stated_defaults()
     assert plan.execution.pipeline is None
     # Plans written before the choice existed ran every micro-step but the last in no_sync().
     assert plan.execution.reduce_every_micro_step is False
+    assert plan.sync.accum_sync == "last_micro_step"
+
+
+def test_a_plan_whose_stated_strategy_disagrees_with_its_execution_does_not_load():
+    stored = json.loads((PLANS / "gpt7b-8n-hsdp.json").read_text())
+    stored["strategy"] = "zero3"
+    with pytest.raises(ValueError, match="plan.json says zero3 .* its execution runs hsdp"):
+        Plan.from_dict(stored)

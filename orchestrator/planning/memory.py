@@ -19,9 +19,10 @@ paper's layout (2 + 2 + 12), kept for its tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..choices import Precision, Strategy
+from ..serialize import to_plain
 from .activations import ValueBytes, activation_profile, value_bytes
 from .model_math import ModelShape, root_params, tp_param_split
 from .pipeline import StageShare, whole_model_moment
@@ -105,7 +106,7 @@ class MemoryBreakdown:
     """The sum of the above."""
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return to_plain(self)
 
 
 def params_per_tp_rank(shape: ModelShape, tp: int) -> float:

@@ -13,9 +13,10 @@ tensor). Axes are the mesh's names; `dp` is the flattened dp_replicate x dp_shar
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..choices import Strategy
+from ..serialize import to_plain
 from .cost import JobContext, ties_head, tp_all_reduces_per_micro_batch
 from .memory import params_per_tp_rank
 from .model_math import root_params
@@ -38,7 +39,7 @@ class Traffic:
     """Bytes per step, by the module's convention."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return to_plain(self)
 
 
 def dp_axis(plan: Plan) -> str:
