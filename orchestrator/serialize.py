@@ -20,7 +20,7 @@ import enum
 import functools
 import types
 import typing
-from typing import Any
+from typing import Any, Callable
 
 OLDER_FILES = "older_files"
 """Field metadata key: the value a file written before the field existed means."""
@@ -28,79 +28,112 @@ OLDER_FILES = "older_files"
 
 def to_plain(value: Any) -> Any:
     """`value` as JSON-ready lists, dicts, strings, numbers, booleans and None."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {name: to_plain(getattr(value, name)) for name in _keys(type(value))}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(item) for item in value]
-    if isinstance(value, dict):
-        return {str(key.value if isinstance(key, enum.Enum) else key): to_plain(item) for key, item in value.items()}
-    return value
+    kind = type(value)
+    if kind in _AS_IS:
+        return value
+    return _writer(kind)(value)
 
 
 def from_plain(cls: type, data: dict[str, Any]) -> Any:
     """The `cls` dataclass `to_plain` wrote as `data`; TypeError on a key `cls` has no field
     for, ValueError on a missing one no default covers."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: expected an object of its fields, got {type(data).__name__}")
-    hints, known = _hints(cls), _fields(cls)
-    # A key `cls` has no field for goes to its constructor as written, which refuses it
-    # (TypeError: "unexpected keyword argument"), as constructing it by hand would.
-    values = {key: value for key, value in data.items() if key not in known}
+    return _reader(cls)(data)
+
+
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+"""Types JSON holds as they are."""
+
+
+@functools.cache
+def _writer(kind: type) -> Callable[[Any], Any]:
+    """How `to_plain` writes a value of `kind` (found once per type, and a plain field or item
+    taken as it is without a call: a plan writes thousands of rank placements)."""
+    if issubclass(kind, enum.Enum):
+        return lambda value: value.value
+    if dataclasses.is_dataclass(kind):
+        keys = getattr(kind, "PLAIN_KEYS", None) or tuple(spec.name for spec in dataclasses.fields(kind) if spec.init)
+        return lambda value: {key: item if type(item := getattr(value, key)) in _AS_IS else _writer(type(item))(item)
+                              for key in keys}
+    if issubclass(kind, (list, tuple)):
+        return lambda value: [item if type(item) in _AS_IS else _writer(type(item))(item) for item in value]
+    if issubclass(kind, dict):
+        return lambda value: {str(key.value if isinstance(key, enum.Enum) else key): to_plain(item)
+                              for key, item in value.items()}
+    return lambda value: value
+
+
+@functools.cache
+def _reader(cls: type) -> Callable[[dict[str, Any]], Any]:
+    """How `from_plain` reads a `cls` (its fields' readers built once per class)."""
+    hints = typing.get_type_hints(cls)
+    known = {spec.name: spec for spec in dataclasses.fields(cls) if spec.init}
+    readers = {name: _value_reader(hints[name], f"{cls.__name__}.{name}") for name in known}
+    absent = {}
     for name, spec in known.items():
-        if name in data:
-            values[name] = _read(hints[name], data[name], f"{cls.__name__}.{name}")
-        elif OLDER_FILES in spec.metadata:
-            values[name] = spec.metadata[OLDER_FILES]
-        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-            raise ValueError(f"{cls.__name__}: key {name!r} is missing and has no default")
-    return cls(**values)
+        if OLDER_FILES in spec.metadata:
+            absent[name] = spec.metadata[OLDER_FILES]
+    required = [name for name, spec in known.items() if name not in absent
+                and spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING]
+
+    def read(data: dict[str, Any]) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__}: expected an object of its fields, got {type(data).__name__}")
+        for name in required:
+            if name not in data:
+                raise ValueError(f"{cls.__name__}: key {name!r} is missing and has no default")
+        # A key `cls` has no field for goes to its constructor as written, which refuses it
+        # (TypeError: "unexpected keyword argument"), as constructing it by hand would.
+        values = {key: readers.get(key, _identity)(value) for key, value in data.items()}
+        for name, value in absent.items():
+            values.setdefault(name, value)
+        return cls(**values)
+
+    return read
 
 
-def _keys(cls: type) -> tuple[str, ...]:
-    """The field names `to_plain` writes, in order."""
-    return getattr(cls, "PLAIN_KEYS", None) or tuple(_fields(cls))
-
-
-@functools.cache
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {spec.name: spec for spec in dataclasses.fields(cls) if spec.init}
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _read(hint: Any, value: Any, where: str) -> Any:
-    """`value` as the type `hint` names."""
+def _value_reader(hint: Any, where: str) -> Callable[[Any], Any]:
+    """A function reading a JSON value as the type `hint` names."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
         kinds = [arg for arg in args if arg is not type(None)]
-        if len(kinds) == 1:
-            return _read(kinds[0], value, where)
-        return value  # a union of several kinds is read as written
-    if value is None:
-        raise ValueError(f"{where}: expected {hint}, got null")
+        if len(kinds) != 1:
+            return lambda value: value  # a union of several kinds is read as written
+        inner = _value_reader(kinds[0], where)
+        if type(None) in args:
+            return lambda value: None if value is None else inner(value)
+        return inner
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_read(args[0], item, where) for item in value)
-        return tuple(_read(arg, item, where) for arg, item in zip(args, value)) if args else tuple(value)
+            item = _value_reader(args[0], where)
+            return lambda value: tuple(item(x) for x in _not_null(value, hint, where))
+        items = [_value_reader(arg, where) for arg in args]
+        return lambda value: tuple(read(x) for read, x in zip(items, _not_null(value, hint, where))) if items \
+            else tuple(_not_null(value, hint, where))
     if origin is list:
-        return [_read(args[0], item, where) for item in value] if args else list(value)
+        item = _value_reader(args[0], where) if args else _identity
+        return lambda value: [item(x) for x in _not_null(value, hint, where)]
     if origin is dict:
-        key_hint, value_hint = args if args else (Any, Any)
-        return {_read(key_hint, key, where): _read(value_hint, item, where) for key, item in value.items()}
+        key_reader, item_reader = (_value_reader(args[0], where), _value_reader(args[1], where)) if args \
+            else (_identity, _identity)
+        return lambda value: {key_reader(key): item_reader(item) for key, item in _not_null(value, hint, where).items()}
     if isinstance(hint, type):
         if dataclasses.is_dataclass(hint):
-            return from_plain(hint, value)
-        if issubclass(hint, enum.Enum):
-            return hint(value)
-        if hint is bool:
-            return bool(value)
-        if hint in (int, float, str):
-            return hint(value)
+            return lambda value: from_plain(hint, _not_null(value, hint, where))
+        if issubclass(hint, enum.Enum) or hint in (bool, int, float, str):
+            def read(value: Any) -> Any:
+                if type(value) is hint:
+                    return value
+                return hint(_not_null(value, hint, where))
+
+            return read
+    return _identity
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _not_null(value: Any, hint: Any, where: str) -> Any:
+    if value is None:
+        raise ValueError(f"{where}: expected {hint}, got null")
     return value

@@ -252,11 +252,11 @@ def test_pipeline_never_sits_inside_an_nvlink_island_while_a_slower_link_crosses
                              "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16",
                              "parallel.pp=auto"])
     w = Wirings.of(topo)
-    from orchestrator.planning.search import Constraints, _meshes
+    from orchestrator.planning.search import Constraints, meshes_of
 
     ctx = job_context(cfg, topo)
     for strategy in ("zero2", "hsdp", "ddp"):
-        for mesh, bad in _meshes(strategy, 32, 8, 32, Constraints.from_config(cfg), ctx.shape.layers):
+        for mesh, bad in meshes_of(strategy, 32, 8, 32, Constraints.from_config(cfg), ctx.shape.layers):
             if bad or mesh.pp == 1:
                 continue
             cl = cluster_layout(w, mesh)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
 from .calibration import UNCALIBRATED, Calibration
@@ -179,7 +179,10 @@ def tp_all_reduces_per_block(shape: ModelShape) -> tuple[int, int]:
     return spec.tp_rowwise_per_block, spec.tp_colwise_per_block
 
 
-@dataclass(frozen=True)
+# The records one estimate builds (Candidate, ComputeTerm, CommTerm) are slotted and not frozen:
+# the search builds thousands of them per plan, and a frozen dataclass's __init__ costs several
+# times a plain one's. Nothing keeps them past the estimate that made them.
+@dataclass(slots=True)
 class Candidate:
     """What every cost term reads of one choice as it runs: its execution, its accumulation,
     and the slowest pipeline stage's share of the model (the whole model without a pipeline)."""
@@ -226,7 +229,7 @@ def candidate(ctx: JobContext, choice: Choice) -> Candidate:
                      block_params=block_params(shape) / choice.mesh.tp)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ComputeTerm:
     """The matmuls and the optimizer of one step on the slowest rank."""
 
@@ -267,7 +270,7 @@ def compute_term(ctx: JobContext, cand: Candidate) -> ComputeTerm:
                        bubble_s=matmul_s * pipeline.bubble if pipeline else 0.0)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CommTerm:
     """Communication of one kind in a step: its parts by what they carry, and what of them
     compute does not hide."""
@@ -494,20 +497,25 @@ def estimate(ctx: JobContext, layout: ClusterLayout, choice: Choice) -> Estimate
                     compression=runs.compression, grad_accum_steps=cand.accum, overlap=ctx.on_gpu,
                     accum_sync=AccumSync.per_micro_step if runs.reduce_every_micro_step else AccumSync.last_micro_step)
     memory = _peak_memory(ctx, choice, runs, gradient_sync[0].bucket_mb * MB if runs.ddp_reduces else 0.0, cand.held)
+    comm_s = sum(parts.values())
+    # What compute hides of communication is bounded by the communication itself.
     return calibrated(ctx.calibration, Estimate(
-        choice=choice, execution=runs, memory=memory, compute_s=compute_s, comm_s=sum(parts.values()),
-        exposed_comm_s=exposed, sync=sync, comm_parts=parts, schedule=schedule, bubble_s=compute.bubble_s))
+        choice=choice, execution=runs, memory=memory, compute_s=compute_s, comm_s=comm_s,
+        exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule,
+        bubble_s=compute.bubble_s))
 
 
 def calibrated(calibration: Calibration, raw: Estimate) -> Estimate:
     """`raw` with a trial's measured factors applied: they scale whole term kinds (compute and
-    the bubble by one, communication by the other); the terms' shapes stay the model's. What
-    compute hides of communication is bounded by the communication itself first."""
+    the bubble by one, communication by the other); the terms' shapes stay the model's."""
+    if not calibration.applied:
+        return raw  # factors of 1.0 change nothing
     compute, communication = calibration.compute, calibration.communication
-    return replace(raw, compute_s=raw.compute_s * compute, comm_s=raw.comm_s * communication,
-                   exposed_comm_s=min(raw.exposed_comm_s, raw.comm_s) * communication,
-                   comm_parts={k: v * communication for k, v in raw.comm_parts.items()},
-                   bubble_s=raw.bubble_s * compute)
+    return Estimate(choice=raw.choice, execution=raw.execution, memory=raw.memory, compute_s=raw.compute_s * compute,
+                    comm_s=raw.comm_s * communication,
+                    exposed_comm_s=raw.exposed_comm_s * communication, sync=raw.sync,
+                    comm_parts={k: v * communication for k, v in raw.comm_parts.items()}, schedule=raw.schedule,
+                    bubble_s=raw.bubble_s * compute)
 
 
 # Compute slows while a collective runs beside it: NCCL's kernels take SMs and their traffic
