@@ -116,10 +116,6 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         reason = f"fastest plan that fits; {fit_reason(best, ctx, True)}"
     else:
         reason = f"{fit_reason(best, ctx, False)}; {suggestion}"  # a plan that fits nowhere raised above
-    alternatives = [alternative(runner_up, runner_up.fits(ctx.usable_bytes), best, ctx)
-                    for runner_up in result.runners_up[:MAX_ALTERNATIVES]]
-    alternatives += [Alternative(strategy=rejected.strategy, mesh=rejected.mesh, fits=False, reason=rejected.reason)
-                     for rejected in result.rejected[:MAX_ALTERNATIVES]]
     ranks, nic_notes = assign_nics(real_ranks(view, real, cluster_layout),
                                    {node_name(node, i): node for i, node in enumerate(real.nodes)})
     nic_notes = nic_notes if ctx.on_gpu else []  # CPU slots talk gloo over the host's own route
@@ -137,13 +133,22 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         execution=replace(best.execution, sync_algorithm=best.sync.algorithm, bucket_mb=best.sync.bucket_mb),
         micro_batch_size=best.choice.micro_batch,
         grad_accum_steps=best.sync.grad_accum_steps,
-        alternatives=tuple(alternatives),
+        alternatives=_alternatives(result, ctx),
         explanation=tuple(explain(result, ctx, constraints, topology, suggestion) + unlisted(topology, cfg)
                           + [f"compile: {compiled.reason}"] + gain_note
                           + describe_domains(view, real) + nic_notes + [f"left out: {x}" for x in left_out]),
         left_out=left_out,
         compile=compiled,
     )
+
+
+def _alternatives(result: SearchResult, ctx: JobContext) -> tuple[Alternative, ...]:
+    """The runners-up, each against the chosen plan, then the rejected candidates."""
+    best = result.best
+    return tuple([alternative(runner_up, runner_up.fits(ctx.usable_bytes), best, ctx)
+                  for runner_up in result.runners_up[:MAX_ALTERNATIVES]]
+                 + [Alternative(strategy=rejected.strategy, mesh=rejected.mesh, fits=False, reason=rejected.reason)
+                    for rejected in result.rejected[:MAX_ALTERNATIVES]])
 
 
 def _tp_heads(cfg: JobConfig, shape: ModelShape, spec: ModelSpec | None) -> int:
