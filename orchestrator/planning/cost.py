@@ -115,12 +115,12 @@ class Estimate:
         return self.memory.total <= usable
 
 
-def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
+def group_links(ctx: JobContext, layout: ClusterLayout, axis: str) -> GroupLinks:
     """The links a group of `axis` runs over: its in-node ring, and its share of the network
     (every group of the axis on a node communicates at once, so they split the node's ports)."""
-    size = cl.mesh.size(axis)
-    per_node = cl.per_node[axis]
-    ring = cl.rings[axis]
+    size = layout.mesh.size(axis)
+    per_node = layout.per_node[axis]
+    ring = layout.rings[axis]
     spans = size > per_node
     inter = ctx.net_gbps * per_node / ctx.gpus_per_node if spans else math.inf
     return GroupLinks(size=size, per_node=per_node, intra_gbps=ring.gbps,
@@ -129,33 +129,33 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
-def execution(ctx: JobContext, c: Choice) -> Execution:
-    """What runs for choice `c` (Unsupported when it cannot run at all)."""
+def execution(ctx: JobContext, choice: Choice) -> Execution:
+    """What runs for `choice` (Unsupported when it cannot run at all)."""
     pipeline = None
-    if c.mesh.pp > 1:
-        m = ctx.global_batch // (c.mesh.dp * c.micro_batch)
+    if choice.mesh.pp > 1:
+        microbatches = ctx.global_batch // (choice.mesh.dp * choice.micro_batch)
         try:
-            pipeline = resolve_pipeline(ctx.shape, c.mesh.pp, c.pp_schedule, m, c.virtual)
-        except ValueError as e:
-            raise Unsupported(str(e)) from e
-    return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
-                   compression=c.compression, algorithm=c.algorithm, bucket_mb=c.bucket_mb or 25.0,
-                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=c.accum_sync)
+            pipeline = resolve_pipeline(ctx.shape, choice.mesh.pp, choice.pp_schedule, microbatches, choice.virtual)
+        except ValueError as error:
+            raise Unsupported(str(error)) from error
+    return resolve(choice.strategy, choice.mesh, precision=ctx.precision, device=ctx.device, recompute=choice.recompute,
+                   compression=choice.compression, algorithm=choice.algorithm, bucket_mb=choice.bucket_mb or 25.0,
+                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=choice.accum_sync)
 
 
-def accum_steps(ctx: JobContext, c: Choice) -> int:
-    """Micro-steps per optimizer step of choice `c` (a pipeline's micro-batches)."""
-    return ctx.global_batch // (c.mesh.dp * c.micro_batch)
+def accum_steps(ctx: JobContext, choice: Choice) -> int:
+    """Micro-steps per optimizer step of `choice` (a pipeline's micro-batches)."""
+    return ctx.global_batch // (choice.mesh.dp * choice.micro_batch)
 
 
-def held_grad_bytes(ex: Execution, layout: ByteLayout, accum: int) -> int | None:
+def held_grad_bytes(runs: Execution, layout: ByteLayout, accum: int) -> int | None:
     """Bytes per parameter of the unsharded gradient FSDP2 keeps between micro-steps when it
     reduces on the last one only: its reduce dtype (fp32, or the 16-bit compression dtype;
     `comm_hooks.fsdp_policy`). None where nothing is kept that way: DDP-style reducers keep
     their whole gradients in the `grads` layout anyway, and one micro-step keeps nothing."""
-    if ex.ddp_reduces or ex.reduce_every_micro_step or accum <= 1:
+    if runs.ddp_reduces or runs.reduce_every_micro_step or accum <= 1:
         return None
-    return min(2, layout.grads) if ex.compression in (Compression.fp16, Compression.bf16) else layout.grads
+    return min(2, layout.grads) if runs.compression in (Compression.fp16, Compression.bf16) else layout.grads
 
 
 def tp_all_reduces_per_micro_batch(shape: ModelShape, recompute: Recompute | str) -> int:
@@ -548,26 +548,28 @@ def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> floa
     return launch + lat_us * 1e-6 + nbytes / (gbps * 1e9)
 
 
-def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float,
+def _peak_memory(ctx: JobContext, choice: Choice, runs: Execution, bucket_bytes: float,
                  held: int | None = None) -> MemoryBreakdown:
     """Peak bytes of the fullest rank: every pipeline stage differs (the first holds the
     embeddings and the most micro-batches in flight, the last the head and the logits).
     `held`: FSDP2's unsharded gradient bytes per parameter kept between micro-steps."""
     # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
-    wrapping = ex.wrapping if ex.pipeline else c.strategy
-    args = (wrapping, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
+    wrapping = runs.wrapping if runs.pipeline else choice.strategy
+    args = (wrapping, ctx.shape, choice.mesh.tp, runs.shard_group, choice.micro_batch, choice.recompute, ctx.layout,
+            bucket_bytes,
             ctx.on_gpu)
-    pl = ex.pipeline
-    if pl is None:
-        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, c))
+    pipeline = runs.pipeline
+    if pipeline is None:
+        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, choice))
     # Activations in flight fall with the stage index and blocks differ by at most one between
     # middle stages, so the fullest rank is the first, the second, the last, or the first middle
     # stage with the most blocks.
-    middle = range(1, pl.stages - 1)
-    most = max(middle, key=lambda s: stage_share(ctx.shape, pl, s).blocks, default=0)
-    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s),
-                            held_grad_bytes=held, micro_steps=pl.microbatches)
-                for s in sorted({0, min(1, pl.stages - 1), most, pl.stages - 1})), key=lambda m: m.total)
+    middle = range(1, pipeline.stages - 1)
+    most = max(middle, key=lambda stage: stage_share(ctx.shape, pipeline, stage).blocks, default=0)
+    return max((rank_memory(*args, share=stage_share(ctx.shape, pipeline, stage),
+                            held_grad_bytes=held, micro_steps=pipeline.microbatches)
+                for stage in sorted({0, min(1, pipeline.stages - 1), most, pipeline.stages - 1})),
+               key=lambda memory: memory.total)
 
 
 def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Recompute | str = Recompute.none) -> float:
@@ -576,8 +578,9 @@ def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Reco
     matmuls split perfectly over every rank, and the smallest bubble a pipeline of that many
     micro-batches can have (interleaved with two chunks, zero-bubble's third of it), nothing
     else."""
-    eff = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
-    busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed, eff)
-    m = max(1, ctx.global_batch // (mesh.dp * micro_batch))
-    return busy * ctx.calibration.compute * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, m,
+    gemm_efficiency = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
+    busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed,
+                          gemm_efficiency)
+    microbatches = max(1, ctx.global_batch // (mesh.dp * micro_batch))
+    return busy * ctx.calibration.compute * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, microbatches,
                                                                  2 if mesh.pp > 1 else 1))

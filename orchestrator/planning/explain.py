@@ -19,13 +19,14 @@ from .plan import Alternative, _gb
 from .search import NEAR_TIE, Constraints, SearchResult, asks_for_ddp_hooks
 
 
-def fit_reason(e: Estimate, ctx: JobContext, fits: bool) -> str:
+def fit_reason(priced: Estimate, ctx: JobContext, fits: bool) -> str:
     cap = ctx.speed.memory_bytes
     room = (f"{_gb(ctx.usable_bytes)} usable of {_gb(cap)} on {ctx.speed.name} after a {MEMORY_MARGIN:.0%} margin"
             + (f" and {CUDA_CONTEXT_BYTES / 2**30:.0f} GiB for the CUDA context" if ctx.on_gpu else ""))
     if fits:
-        return f"needs {_gb(e.memory.total)} per rank, {room}"
-    return f"does not fit by {_gb(e.memory.total - ctx.usable_bytes)}: needs {_gb(e.memory.total)} per rank, {room}"
+        return f"needs {_gb(priced.memory.total)} per rank, {room}"
+    return (f"does not fit by {_gb(priced.memory.total - ctx.usable_bytes)}: needs {_gb(priced.memory.total)} per "
+            f"rank, {room}")
 
 
 def compare(pct: float) -> str:
@@ -37,22 +38,23 @@ def compare(pct: float) -> str:
     return f"faster by {-pct:.1f}%, but the config forced the chosen plan"
 
 
-def alternative(e: Estimate, fits: bool, best: Estimate, ctx: JobContext) -> Alternative:
-    c = e.choice
+def alternative(priced: Estimate, fits: bool, best: Estimate, ctx: JobContext) -> Alternative:
+    choice = priced.choice
     if fits:
-        pct = (e.total_s / best.total_s - 1) * 100 if best.total_s > 0 else 0.0
+        pct = (priced.total_s / best.total_s - 1) * 100 if best.total_s > 0 else 0.0
         reason = compare(pct)
     else:
-        reason = fit_reason(e, ctx, False)
-    return Alternative(strategy=c.strategy, mesh=c.mesh, fits=fits, reason=reason, micro_batch_size=c.micro_batch,
-                       recompute=c.recompute, compression=c.compression, step_time_s=round(e.total_s, 6),
-                       memory_per_rank=e.memory.total)
+        reason = fit_reason(priced, ctx, False)
+    return Alternative(strategy=choice.strategy, mesh=choice.mesh, fits=fits, reason=reason,
+                       micro_batch_size=choice.micro_batch,
+                       recompute=choice.recompute, compression=choice.compression, step_time_s=round(priced.total_s, 6),
+                       memory_per_rank=priced.memory.total)
 
 
-def _describe_axis(axis: str, cl: ClusterLayout, ctx: JobContext) -> str:
-    size = cl.mesh.size(axis)
-    inside = cl.per_node[axis]
-    ring = cl.rings[axis]
+def _describe_axis(axis: str, cluster_layout: ClusterLayout, ctx: JobContext) -> str:
+    size = cluster_layout.mesh.size(axis)
+    inside = cluster_layout.per_node[axis]
+    ring = cluster_layout.rings[axis]
     where = []
     if inside > 1:
         where.append(f"{inside} per node on links of {ring.gbps:g} GB/s at worst")
@@ -63,8 +65,8 @@ def _describe_axis(axis: str, cl: ClusterLayout, ctx: JobContext) -> str:
 
 def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: ClusterTopology,
              suggestion: str) -> list[str]:
-    e, cl, c = res.best, res.layout, res.best.choice
-    m = e.memory
+    priced, cluster_layout, choice = res.best, res.layout, res.best.choice
+    m = priced.memory
     node = topo.nodes[0]
     lines = [
         f"model: {ctx.params / 1e6:.2f}M parameters, "
@@ -72,51 +74,53 @@ def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluster
         f"per step ({ctx.global_batch} sequences of {ctx.shape.seq} tokens)",
         f"cluster: {len(topo.nodes)} node(s) x {node.num_devices} {ctx.speed.name}"
         + (f", network {ctx.net_gbps:g} GB/s per node, {ctx.net_lat_us:g} us" if len(topo.nodes) > 1 else ""),
-        f"chosen: {c.strategy} on {c.mesh}, micro-batch {c.micro_batch}, recompute {c.recompute}, "
-        f"{e.sync.grad_accum_steps} accumulation step(s)"
+        f"chosen: {choice.strategy} on {choice.mesh}, micro-batch {choice.micro_batch}, recompute {choice.recompute}, "
+        f"{priced.sync.grad_accum_steps} accumulation step(s)"
         + (f" (forced: {', '.join(cons.forced())})" if cons.forced() else ""),
         f"precision: {ctx.layout.name}",
         f"memory per rank: params {_gb(m.params)}, grads {_gb(m.grads)}, optimizer {_gb(m.optimizer)}, "
         f"activations {_gb(m.activations)}, buffers {_gb(m.buffers)}; total {_gb(m.total)} "
-        f"({fit_reason(e, ctx, res.fits)})",
-        f"step time: compute {e.compute_s * 1e3:.2f} ms, communication {e.comm_s * 1e3:.2f} ms of which "
-        f"{e.exposed_comm_s * 1e3:.2f} ms exposed, total {e.total_s * 1e3:.2f} ms"
-        + (" (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in e.comm_parts.items()) + ")" if e.comm_parts else ""),
+        f"({fit_reason(priced, ctx, res.fits)})",
+        f"step time: compute {priced.compute_s * 1e3:.2f} ms, communication {priced.comm_s * 1e3:.2f} ms of which "
+        f"{priced.exposed_comm_s * 1e3:.2f} ms exposed, total {priced.total_s * 1e3:.2f} ms"
+        + (" (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in priced.comm_parts.items()) + ")"
+           if priced.comm_parts else ""),
     ]
     if ctx.calibration.applied:
         lines.append(ctx.calibration.describe())
-    if cl.uniform:
+    if cluster_layout.uniform:
         lines.append("layout: every pair of devices on a node is joined by equal links, so any layout is equal; "
                      "ranks follow device order")
     else:
         lines.append("layout: the most talkative axis on the fastest links; "
-                     + "; ".join(_describe_axis(a, cl, ctx) for a in ("tp", "dp_shard", "dp_replicate")
-                                 if cl.mesh.size(a) > 1))
-    lines.append(f"gradient sync: {e.schedule}; bucket {e.sync.bucket_mb:g} MB, compression {e.sync.compression}, "
-                 f"overlap {'on' if e.sync.overlap else 'off (gloo shares the CPU cores with compute)'}")
-    if e.sync.grad_accum_steps > 1:
-        lines.append(accum_line(e, ctx, cl, cons))
+                     + "; ".join(_describe_axis(a, cluster_layout, ctx) for a in ("tp", "dp_shard", "dp_replicate")
+                                 if cluster_layout.mesh.size(a) > 1))
+    lines.append(f"gradient sync: {priced.schedule}; bucket {priced.sync.bucket_mb:g} MB, "
+                 f"compression {priced.sync.compression}, "
+                 f"overlap {'on' if priced.sync.overlap else 'off (gloo shares the CPU cores with compute)'}")
+    if priced.sync.grad_accum_steps > 1:
+        lines.append(accum_line(priced, ctx, cluster_layout, cons))
     if res.fits:
         fitting = [r for r in res.runners_up if r.fits(ctx.usable_bytes)]
         why = f"fastest of {len(fitting) + 1} fitting (strategy, mesh) choices, {res.evaluated} candidates estimated"
         if fitting:
             r = fitting[0]
             why += f"; runner-up {r.choice.strategy} on {r.choice.mesh}: " \
-                   f"{compare((r.total_s / e.total_s - 1) * 100)}"
+                   f"{compare((r.total_s / priced.total_s - 1) * 100)}"
         lines.append(why)
     elif suggestion:
         lines.append(suggestion)
     if not ctx.shape.tp_capable:
         lines.append("tensor parallelism: none, the model declares no tensor-parallel plan")
-    if e.execution.pipeline is not None:
-        lines += pipeline_lines(e, ctx, cl, topo)
+    if priced.execution.pipeline is not None:
+        lines += pipeline_lines(priced, ctx, cluster_layout, topo)
     elif cons.pp == 1 and len(topo.nodes) > 1:
         lines.append("pipeline: none, parallel.pp=1; parallel.pp=auto (the default) also searches pipelines "
                      "whose stages fill whole nodes")
     elif cons.pp is None and len(topo.nodes) > 1 and asks_for_ddp_hooks(cons):
         lines.append("pipeline: none searched: parallel.sync=hierarchical and parallel.compression=powersgd are "
                      "DDP comm hooks, which a pipeline's FSDP2 stages do not run (parallel.pp=2 forces one)")
-    lines += [f"runs as: {note}" for note in e.execution.notes]
+    lines += [f"runs as: {note}" for note in priced.execution.notes]
     return lines
 
 
@@ -124,89 +128,92 @@ GRAD_PARTS = ("grad all-reduce", "grad reduce-scatter", "replica all-reduce")
 """The `Estimate.comm_parts` that carry gradients."""
 
 
-def _grad_traffic(e: Estimate) -> float:
-    return sum(e.comm_parts.get(k, 0.0) for k in GRAD_PARTS)
+def _grad_traffic(priced: Estimate) -> float:
+    return sum(priced.comm_parts.get(k, 0.0) for k in GRAD_PARTS)
 
 
-def accum_line(e: Estimate, ctx: JobContext, cl: ClusterLayout, cons: Constraints) -> str:
+def accum_line(priced: Estimate, ctx: JobContext, cluster_layout: ClusterLayout, cons: Constraints) -> str:
     """One line: when the plan reduces gradients under accumulation, and why (the memory or the
     time of the other way, priced on the same plan)."""
-    ex, accum, chosen = e.execution, e.sync.grad_accum_steps, e.sync.accum_sync
+    runs, accum, chosen = priced.execution, priced.sync.grad_accum_steps, priced.sync.accum_sync
     head = f"gradient accumulation: {chosen}"
-    if ex.pipeline is not None:
+    if runs.pipeline is not None:
         return (f"{head}: torch's pipeline stages keep gradient sync off until the last of the {accum} micro-batches, "
-                f"so each rank keeps its stage's unsharded gradients ({_gb(e.memory.grads)}) until then")
-    if ex.ddp_reduces:
-        return (f"{head}: {ex.wrapping} keeps whole gradients ({_gb(e.memory.grads)}) between micro-steps either way "
+                f"so each rank keeps its stage's unsharded gradients ({_gb(priced.memory.grads)}) until then")
+    if runs.ddp_reduces:
+        return (f"{head}: {runs.wrapping} keeps whole gradients ({_gb(priced.memory.grads)}) between micro-steps "
+                f"either way "
                 f"and reduces them once, on the last of the {accum}")
     forced = f" (forced: parallel.accum_sync={cons.accum_sync})" if cons.accum_sync is not None else ""
-    other = estimate(ctx, cl, replace(e.choice, accum_sync=AccumSync.per_micro_step
+    other = estimate(ctx, cluster_layout, replace(priced.choice, accum_sync=AccumSync.per_micro_step
                                       if chosen == AccumSync.last_micro_step else AccumSync.last_micro_step))
     usable = ctx.usable_bytes
-    dtype = str(ex.compression) if ex.compression in (Compression.fp16, Compression.bf16) else "fp32"
+    dtype = str(runs.compression) if runs.compression in (Compression.fp16, Compression.bf16) else "fp32"
     if chosen == AccumSync.last_micro_step:
-        last, per = e, other
-        what = (f"FSDP2 keeps the unsharded {dtype} gradients ({_gb(e.memory.grads)} per rank) until the last of the "
+        last, per = priced, other
+        what = (f"FSDP2 keeps the unsharded {dtype} gradients ({_gb(priced.memory.grads)} per rank) until the last "
+                f"of the "
                 f"{accum} micro-steps and reduces once")
     else:
-        last, per = other, e
+        last, per = other, priced
         what = f"FSDP2 reduce-scatters after each of the {accum} micro-steps and keeps sharded gradients " \
-               f"({_gb(e.memory.grads)} per rank)"
+               f"({_gb(priced.memory.grads)} per rank)"
     saved = f"{(_grad_traffic(per) - _grad_traffic(last)) * 1e3:.2f} ms"
     gain = per.total_s - last.total_s
     pace = f"{abs(gain) * 1e3:.2f} ms per step {'faster' if gain >= 0 else 'slower'}"
     if chosen == AccumSync.last_micro_step:
-        extra = e.memory.total - other.memory.total
+        extra = priced.memory.total - other.memory.total
         cost = f"for {_gb(extra)} more per rank" if extra > 0 else "at no more memory (nothing to shard)"
         why = f"{saved} less gradient traffic and {pace} than per_micro_step, {cost} " \
-              f"({_gb(e.memory.total)} of {_gb(usable)} usable)"
+              f"({_gb(priced.memory.total)} of {_gb(usable)} usable)"
     elif not last.fits(usable):
         why = (f"keeping unsharded gradients until the last would save {saved} of gradient traffic but need "
                f"{_gb(last.memory.total)} per rank, over the {_gb(usable)} usable")
     else:
         why = (f"last_micro_step would move {saved} less gradient traffic and be {pace}, for "
-               f"{_gb(last.memory.total - e.memory.total)} more per rank ({_gb(last.memory.total)} of "
+               f"{_gb(last.memory.total - priced.memory.total)} more per rank ({_gb(last.memory.total)} of "
                f"{_gb(usable)} usable)")
     return f"{head}{forced}: {what}: {why}"
 
 
-def pipeline_lines(e: Estimate, ctx: JobContext, cl: ClusterLayout, topo: ClusterTopology,
+def pipeline_lines(priced: Estimate, ctx: JobContext, cluster_layout: ClusterLayout, topo: ClusterTopology,
                    max_stages: int = 6) -> list[str]:
     """The pipeline in words: schedule, bubble, point-to-point cost and link, and which blocks
     sit on which ranks (the first and last stages when there are many)."""
-    pl, mesh = e.execution.pipeline, e.choice.mesh
+    pipeline, mesh = priced.execution.pipeline, priced.choice.mesh
     per_stage = mesh.world_size // mesh.pp
     g = ctx.gpus_per_node
-    inside = cl.per_node["pp"] > 1 and mesh.pp == cl.per_node["pp"]
-    link = (f"links inside a node ({cl.rings['pp'].gbps:g} GB/s at worst)" if inside
+    inside = cluster_layout.per_node["pp"] > 1 and mesh.pp == cluster_layout.per_node["pp"]
+    link = (f"links inside a node ({cluster_layout.rings['pp'].gbps:g} GB/s at worst)" if inside
             else f"the network ({ctx.net_gbps:g} GB/s per node)")
-    lines = [f"pipeline: {pl.schedule}, {pl.stages} stages x {pl.virtual} chunk(s) per rank, {pl.microbatches} "
-             f"micro-batches; bubble {pl.bubble:.1%} of busy time ({e.bubble_s * 1e3:.2f} ms); point-to-point "
-             f"{e.comm_parts.get('pipeline p2p', 0.0) * 1e3:.2f} ms per step between adjacent stages over {link}"]
+    lines = [f"pipeline: {pipeline.schedule}, {pipeline.stages} stages x {pipeline.virtual} chunk(s) per rank, "
+             f"{pipeline.microbatches} micro-batches; bubble {pipeline.bubble:.1%} of busy time "
+             f"({priced.bubble_s * 1e3:.2f} ms); point-to-point "
+             f"{priced.comm_parts.get('pipeline p2p', 0.0) * 1e3:.2f} ms per step between adjacent stages over {link}"]
     # torch's stages allocate a receive buffer per micro-batch and boundary up front: with many
     # micro-batches they, not the model, can be what does not fit.
-    most = max(stage_share(ctx.shape, pl, s).recv_buffers for s in range(pl.stages))
-    one = e.choice.micro_batch * ctx.shape.seq * ctx.shape.hidden * ctx.layout.activation
+    most = max(stage_share(ctx.shape, pipeline, s).recv_buffers for s in range(pipeline.stages))
+    one = priced.choice.micro_batch * ctx.shape.seq * ctx.shape.hidden * ctx.layout.activation
     lines.append(f"receive buffers: up to {most} per rank, one per micro-batch for each activation and gradient a "
                  f"stage receives, held by torch's stages all run long: {_gb(most * one)}")
     # The built-in GPT (no measured spec) ties its head to the embedding; a measured spec says.
     tied = ties_head(ctx.shape)
     head = "head (tied copy of the embedding)" if tied else "head"
-    shown = list(range(pl.stages)) if pl.stages <= max_stages else \
-        list(range(max_stages // 2)) + list(range(pl.stages - max_stages // 2, pl.stages))
+    shown = list(range(pipeline.stages)) if pipeline.stages <= max_stages else \
+        list(range(max_stages // 2)) + list(range(pipeline.stages - max_stages // 2, pipeline.stages))
     for s in shown:
         ranges = []
-        for c in pl.chunks_of(s):
-            a, b = pl.block_range(c)
+        for chunk in pipeline.chunks_of(s):
+            a, b = pipeline.block_range(chunk)
             ranges.append(f"{a}-{b - 1}" if b - a > 1 else f"{a}")
         extra = (" + embeddings" if s == 0 else "") + (f" + final norm, {head} and loss"
-                                                       if s == (pl.chunks - 1) % pl.stages else "")
+                                                       if s == (pipeline.chunks - 1) % pipeline.stages else "")
         lo, hi = s * per_stage, (s + 1) * per_stage - 1
         nodes = sorted({lo // g, hi // g})
         where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {nodes[0]}-{nodes[-1]}"
         lines.append(f"stage {s}: blocks {', '.join(ranges)}{extra}; ranks {lo}-{hi} ({where})")
-        if pl.stages > max_stages and s == max_stages // 2 - 1:
-            lines.append(f"... {pl.stages - max_stages} more stages")
+        if pipeline.stages > max_stages and s == max_stages // 2 - 1:
+            lines.append(f"... {pipeline.stages - max_stages} more stages")
     return lines
 
 
@@ -218,26 +225,26 @@ def too_large(ctx: JobContext, wirings: Wirings, res: SearchResult, name: str) -
     The device count scales that plan: its model states shard over every rank (full sharding,
     and tensor and pipeline parallelism divide them too), its activations and buffers do not,
     so `n` devices hold it once states x world / n + the rest fits the usable memory."""
-    e = res.best
-    assert e is not None
-    c, m, ex = e.choice, e.memory, e.execution
+    priced = res.best
+    assert priced is not None
+    choice, m, runs = priced.choice, priced.memory, priced.execution
     world, g = wirings.devices_per_node * len(wirings.node_index), wirings.devices_per_node
     usable, unit = ctx.usable_bytes, "device" if ctx.on_gpu else "CPU slot"
     nodes = len(wirings.node_index)
-    frugal = f"{c.strategy} on {c.mesh}, micro-batch {c.micro_batch}, recompute {c.recompute}"
-    if e.sync.grad_accum_steps > 1 and e.sync.accum_sync == AccumSync.per_micro_step:
+    frugal = f"{choice.strategy} on {choice.mesh}, micro-batch {choice.micro_batch}, recompute {choice.recompute}"
+    if priced.sync.grad_accum_steps > 1 and priced.sync.accum_sync == AccumSync.per_micro_step:
         frugal += ", gradients reduce-scattered every micro-step"
     devices = f"{world} {ctx.speed.name}" if ctx.on_gpu else f"{world} CPU slots"
     line = (f"{name} ({ctx.params / 1e9:.2f}B parameters) does not fit {devices} at any plan: the most "
             f"memory-frugal one ({frugal}) needs {_gb(m.total)} per {unit}, {_gb(usable)} usable of "
             f"{_gb(ctx.speed.memory_bytes)}")
     spent = []
-    if c.recompute == Recompute.full:
+    if choice.recompute == Recompute.full:
         spent.append("full recomputation")
-    if c.micro_batch == 1:
+    if choice.micro_batch == 1:
         spent.append("micro-batch 1")
-    if ex.pipeline is not None:
-        spent.append(f"a pipeline of {ex.pipeline.stages} stages")
+    if runs.pipeline is not None:
+        spent.append(f"a pipeline of {runs.pipeline.stages} stages")
     if spent:
         line += f"; it already runs {', '.join(spent)} (activations {_gb(m.activations)})"
     if nodes == 1 and ctx.shape.layers > 1 and (ctx.shape.spec is None or ctx.shape.spec.pipeline_ends):

@@ -69,9 +69,9 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape,
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
     memory = min(s.memory_bytes for s in speeds)
     speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory, speed.sms)
-    c = cfg.cluster
-    net_gbps = topo.network.bandwidth_gbps if c.inter_node_gbps is None else c.inter_node_gbps
-    net_lat = topo.network.latency_us if c.inter_node_latency_us is None else c.inter_node_latency_us
+    cluster = cfg.cluster
+    net_gbps = topo.network.bandwidth_gbps if cluster.inter_node_gbps is None else cluster.inter_node_gbps
+    net_lat = topo.network.latency_us if cluster.inter_node_latency_us is None else cluster.inter_node_latency_us
     device = "gpu" if on_gpu else "cpu"
     return JobContext(
         shape=shape, params=param_count(shape), global_batch=cfg.train.global_batch_size,

@@ -144,10 +144,10 @@ class Plan:
     def sync(self) -> SyncPlan:
         """How gradients are reduced, read off `execution` (overlap is off on CPU slots, where
         gloo shares the cores with compute)."""
-        ex = self.execution
-        return SyncPlan(bucket_mb=ex.bucket_mb, algorithm=ex.sync_algorithm, compression=ex.compression,
-                        grad_accum_steps=self.grad_accum_steps, overlap=ex.device == "gpu",
-                        accum_sync=accum_sync_of(ex))
+        runs = self.execution
+        return SyncPlan(bucket_mb=runs.bucket_mb, algorithm=runs.sync_algorithm, compression=runs.compression,
+                        grad_accum_steps=self.grad_accum_steps, overlap=runs.device == "gpu",
+                        accum_sync=accum_sync_of(runs))
 
     @property
     def world_size(self) -> int:

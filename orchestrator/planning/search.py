@@ -112,12 +112,13 @@ class SearchResult:
 _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
 
 
-def _simplicity(e: Estimate) -> tuple:
-    c = e.choice
+def _simplicity(priced: Estimate) -> tuple:
+    choice = priced.choice
     # A pipeline is the bigger step away from plain data parallelism: among near ties, fewer stages
     # first; and reducing once per step (less traffic) before reducing every micro-step.
-    return (c.mesh.pp, c.virtual, _SIMPLICITY[c.strategy], c.mesh.tp, RECOMPUTES.index(c.recompute),
-            c.compression != Compression.none, -c.micro_batch, c.accum_sync == AccumSync.per_micro_step)
+    return (choice.mesh.pp, choice.virtual, _SIMPLICITY[choice.strategy], choice.mesh.tp,
+            RECOMPUTES.index(choice.recompute),
+            choice.compression != Compression.none, -choice.micro_batch, choice.accum_sync == AccumSync.per_micro_step)
 
 
 def asks_for_ddp_hooks(cons: Constraints) -> bool:
@@ -217,9 +218,9 @@ def accum_syncs(strategy: Strategy, mesh: Mesh, accum: int, cons: Constraints) -
 
 
 def _fastest(estimates: list[Estimate]) -> Estimate:
-    best_s = min(e.total_s for e in estimates)
-    near = [e for e in estimates if e.total_s <= best_s * (1 + NEAR_TIE)]
-    return min(near, key=lambda e: (_simplicity(e), e.total_s))
+    best_s = min(priced.total_s for priced in estimates)
+    near = [priced for priced in estimates if priced.total_s <= best_s * (1 + NEAR_TIE)]
+    return min(near, key=lambda priced: (_simplicity(priced), priced.total_s))
 
 
 @dataclass(frozen=True)
@@ -426,7 +427,8 @@ def with_compression(space: SearchSpace, candidate: MeshCandidate, best: Estimat
     tries = [estimate(ctx, layout, replace(best.choice, compression=compression))
              for compression in _compressions(candidate.strategy, candidate.mesh.tp, ctx)]
     space.evaluated += len(tries)
-    return min([best] + [t for t in tries if t.fits(ctx.usable_bytes)], key=lambda e: e.total_s)
+    return min([best] + [variant for variant in tries if variant.fits(ctx.usable_bytes)],
+               key=lambda priced: priced.total_s)
 
 
 def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) -> SearchResult:
