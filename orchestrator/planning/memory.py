@@ -221,8 +221,8 @@ def buffer_bytes(
     if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
         comm = 2 * bucket_bytes
     else:
-        st = runtime_states(strategy, shape, tp, shard, layout, share)
-        comm = st.gathered + st.unsharded_grads
+        states = runtime_states(strategy, shape, tp, shard, layout, share)
+        comm = states.gathered + states.unsharded_grads
     if share is not None:
         comm += share.recv_buffers * micro_batch * shape.seq * shape.hidden * layout.activation
     if tp > 1:
