@@ -21,10 +21,12 @@ from orchestrator.planning.cost import (
     Estimate,
     JobContext,
     calibrated,
+    compute_term,
     data_parallel_terms,
     ddp_sync_term,
     held_gradient_seconds,
     pipeline_term,
+    sharded_sync_term,
     tensor_parallel_term,
 )
 from orchestrator.planning.layout import RingStats
@@ -144,3 +146,47 @@ def test_calibration_scales_compute_and_the_bubble_by_one_factor_and_communicati
     assert (scaled.comm_s, scaled.exposed_comm_s) == pytest.approx((0.2, 0.1))
     assert scaled.comm_parts == {"grad all-reduce": pytest.approx(0.2)}
     assert calibrated(Calibration(), raw) is raw
+
+
+def test_zero2_on_cpu_reduce_scatters_and_gathers_once_per_unit_unhidden():
+    mesh = Mesh(1, 2, 1)
+    cand = candidate(mesh, Strategy.zero2, ddp_reduces=False, shard_group=2)
+    compute = ComputeTerm(matmul_s=1.0, compute_s=1.0, forward_s=0.3, backward_s=0.7, bubble_s=0.0)
+    term = sharded_sync_term(context(on_gpu=False), laid_out(mesh, {"dp_shard": 2}), cand, compute)
+    # 4 units (3 blocks and the root), each 1e6 B of the 4e6 B of fp32 gradients, 2 ranks at
+    # 10 GB/s, 1 us. One gloo reduce-scatter: a clone into a fresh buffer (3 passes, read and
+    # written: 6 x 1e6 / 20e9 = 300 us), the all-reduce of it (150 + 2 x 26 + 1 x 1e6 x 2.0 / 10e9
+    # = 200 + 0.5e6 x 2 / 20e9 = 50: 452 us) and the rank's half copied out (50 us): 802 us, x 4
+    # = 3208 us. One all-gather of a 1e6 B unit: 150 + 52 + 0.5 x 1e6 x 2.8 / 10e9 = 140 +
+    # (0.5e6 + 1e6) x 2 / 20e9 = 150: 492 us, x 4 = 1968 us. On CPU nothing hides either, and
+    # FSDP2's device-memory copies are not priced.
+    assert term.parts == {"grad reduce-scatter": pytest.approx(3208e-6), "param all-gather": pytest.approx(1968e-6)}
+    assert term.exposed_s == pytest.approx((3208e-6 + 1968e-6,))
+    assert term.compute_s == (0.0,)
+    assert term.schedule == "flat ring reduce-scatter / all-gather"
+
+
+def test_zero3_gathers_again_for_backward_on_every_micro_step():
+    mesh = Mesh(1, 2, 1)
+    cand = candidate(mesh, Strategy.zero3, accum=2, ddp_reduces=False, shard_group=2, reshard_after_forward=True)
+    compute = ComputeTerm(matmul_s=1.0, compute_s=1.0, forward_s=0.3, backward_s=0.7, bubble_s=0.0)
+    term = sharded_sync_term(context(on_gpu=False), laid_out(mesh, {"dp_shard": 2}), cand, compute)
+    # As zero2's above, but the weights are gathered forward and backward on each of the 2
+    # micro-steps: 4 x 1968 us = 7872 us; gradients reduce-scattered once (the last micro-step).
+    assert term.parts == {"param all-gather": pytest.approx(7872e-6), "grad reduce-scatter": pytest.approx(3208e-6)}
+    assert term.exposed_s == pytest.approx((7872e-6 + 3208e-6,))
+
+
+def test_compute_term_on_cpu_splits_the_steps_flops_over_the_data_parallel_ranks():
+    mesh = Mesh(2, 1, 1)
+    cand = candidate(mesh, accum=4)
+    term = compute_term(context(on_gpu=False), cand)
+    # The GPT's step: 3 x (blocks' forward + the head's) = 3 x (8000 tokens x 3 x (24 x 1000^2 +
+    # 4 x 1000 x 1000) + 2 x 8000 x 1000 x 1000) = 3 x (6.72e11 + 1.6e10) = 2.064e12 FLOPs, half
+    # on each of 2 ranks: 1.032e12. A CPU slot's efficiency at 1000 tokens and 1000 wide:
+    # 0.6 x 1000 / (1000 + 64) x 1000 / (1000 + 32); at 100 TFLOP/s peak.
+    matmul_s = 1.032e12 / (100e12 * 0.6 * (1000 / 1064) * (1000 / 1032))
+    assert term.matmul_s == pytest.approx(matmul_s)
+    # Forward is a third of a micro-step's (no recomputation), backward two thirds; 4 micro-steps.
+    assert (term.forward_s, term.backward_s) == pytest.approx((matmul_s / 4 / 3, matmul_s / 4 * 2 / 3))
+    assert term.compute_s > term.matmul_s and term.bubble_s == 0.0
