@@ -56,10 +56,9 @@ def plans(world: int, model: list[str]) -> list[dict[str, Any]]:
     """The planner's plan for each case on `world` CPU slots (pure Python, no processes)."""
     from orchestrator.config import load_config
     from orchestrator.control.preflight import measure_model
-    from orchestrator.planning import plan_job
+    from orchestrator.planning import job_context, plan_job
     from orchestrator.planning.cost import held_grad_bytes
     from orchestrator.planning.memory import runtime_states
-    from orchestrator.planning.plan import job_context
     from orchestrator.topology.model import ClusterTopology, cpu_node
 
     topo = ClusterTopology(nodes=[cpu_node(world)])

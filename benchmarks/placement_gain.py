@@ -131,10 +131,9 @@ def compare(topo, gpu: str, model: list[str]) -> dict[str, Any]:
     """Predicted step seconds of the blind, placed and aware plans of one model on one cluster."""
     from orchestrator.config import load_config
     from orchestrator.errors import PlanError
-    from orchestrator.planning import plan_job
+    from orchestrator.planning import job_context, plan_job
     from orchestrator.planning.cost import estimate
     from orchestrator.planning.layout import Wirings
-    from orchestrator.planning.plan import job_context
 
     overrides = [*model, GLOBAL_BATCH, f"cluster.gpu={gpu}"]
     cfg = load_config(None, overrides)

@@ -109,10 +109,10 @@ def price_on(topology: dict[str, Any], overrides: list[str], run: dict[str, Any]
     topology the probe measured (how `placement_gain.py` prices its equal-links plan)."""
     from orchestrator.choices import AccumSync, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
     from orchestrator.config import load_config
+    from orchestrator.planning import job_context
     from orchestrator.planning.cost import Choice, estimate
     from orchestrator.planning.layout import Wirings, cluster_layout
     from orchestrator.planning.mesh import Mesh
-    from orchestrator.planning.plan import job_context
     from orchestrator.topology.model import ClusterTopology
 
     topo = ClusterTopology.from_dict(topology)

@@ -16,7 +16,7 @@ import pytest
 from orchestrator.choices import AccumSync, Compression, Recompute, Strategy
 from orchestrator.config import load_config
 from orchestrator.errors import ConfigError, PlanError
-from orchestrator.planning import Plan, plan_job
+from orchestrator.planning import Plan, job_context, plan_job
 from orchestrator.planning.activations import activation_profile
 from orchestrator.planning.cost import Choice, estimate
 from orchestrator.planning.describe import describe_cluster
@@ -25,7 +25,6 @@ from orchestrator.planning.memory import byte_layout, forward_values, runtime_st
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape
 from orchestrator.planning.pipeline import resolve_pipeline
-from orchestrator.planning.plan import job_context
 from orchestrator.planning.resolve import resolve
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Network

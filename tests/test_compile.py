@@ -26,8 +26,8 @@ from orchestrator.planning.calibration import (
 )
 from orchestrator.planning.calibration import load as load_calibration
 from orchestrator.planning.compile import AUTO_MARGIN, COMPILE_S, COMPILE_SPEEDUP, EAGER, block_saving_s, decide
+from orchestrator.planning.flow import block_share
 from orchestrator.planning.model_math import ModelShape
-from orchestrator.planning.plan import block_share
 from orchestrator.topology.model import ClusterTopology, cpu_node
 
 TESTS = Path(__file__).resolve().parent

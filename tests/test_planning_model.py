@@ -226,8 +226,8 @@ def _h100_job(precision: str):
     from pathlib import Path
 
     from orchestrator.config import load_config
+    from orchestrator.planning import job_context
     from orchestrator.planning.describe import describe_cluster
-    from orchestrator.planning.plan import job_context
     from orchestrator.topology.files import load_topology_file
     from orchestrator.topology.model import Network
 
@@ -385,7 +385,7 @@ def _dgx_a100_job(nodes: int, layers: int):
     from clusters import dgx_a100
 
     from orchestrator.config import load_config
-    from orchestrator.planning.plan import job_context
+    from orchestrator.planning import job_context
 
     topo = dgx_a100(nodes)
     model = [f"model.n_layer={layers}", "model.n_head=64", "model.n_embd=8192", "model.vocab_size=51200",

@@ -12,7 +12,7 @@ from clusters import dgx_a100
 
 from orchestrator.choices import PipelineSchedule
 from orchestrator.config import load_config
-from orchestrator.planning import plan_job
+from orchestrator.planning import Plan, job_context, plan_job
 from orchestrator.planning.cost import Choice, estimate
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout, in_node_shape
@@ -26,7 +26,6 @@ from orchestrator.planning.pipeline import (
     split_layers,
     stage_share,
 )
-from orchestrator.planning.plan import Plan, job_context
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Network
 
@@ -253,11 +252,11 @@ def test_pipeline_never_sits_inside_an_nvlink_island_while_a_slower_link_crosses
                              "model.block_size=2048", "train.global_batch_size=64", "train.precision=bf16",
                              "parallel.pp=auto"])
     w = Wirings.of(topo)
-    from orchestrator.planning.search import Constraints, _meshes
+    from orchestrator.planning.search import Constraints, meshes_of
 
     ctx = job_context(cfg, topo)
     for strategy in ("zero2", "hsdp", "ddp"):
-        for mesh, bad in _meshes(strategy, 32, 8, 32, Constraints.from_config(cfg), ctx.shape.layers):
+        for mesh, bad in meshes_of(strategy, 32, 8, 32, Constraints.from_config(cfg), ctx.shape.layers):
             if bad or mesh.pp == 1:
                 continue
             cl = cluster_layout(w, mesh)

@@ -13,14 +13,13 @@ import pytest
 from orchestrator.choices import Compression, Precision, Recompute, Strategy, SyncAlgorithm
 from orchestrator.config import load_config
 from orchestrator.errors import PlanError
-from orchestrator.planning import Plan, plan_job
+from orchestrator.planning import Plan, job_context, plan_job
 from orchestrator.planning.cost import Choice, estimate, execution
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.layout import Wirings, cluster_layout
 from orchestrator.planning.memory import rank_memory
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape
-from orchestrator.planning.plan import job_context
 from orchestrator.planning.resolve import (
     POWERSGD_MIN_WARMUP,
     Unsupported,

@@ -11,10 +11,9 @@ import pytest
 
 from orchestrator.config import load_config
 from orchestrator.errors import PlanError
-from orchestrator.planning import plan_job
+from orchestrator.planning import job_context, plan_job
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.gpus import GB, UNLISTED_GPU, lookup
-from orchestrator.planning.plan import job_context
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology, Network
 

@@ -14,7 +14,7 @@ from ..units import format_bytes
 def rehearsal_report(cfg: JobConfig, plan: Plan, topo: ClusterTopology, spec: ModelSpec | None) -> dict[str, Any]:
     """The `rehearsal` object of `plan --rehearse --json`: every rehearsed rank's peak beside
     the predicted one, its collectives beside the predicted ones, and the differences in words."""
-    from ..planning.plan import job_context
+    from ..planning import job_context
     from ..planning.rehearsal import MEMORY_TOLERANCE, collective_rows, predicted_peak_bytes, relative_gap
     from ..planning.traffic import predicted_traffic
     from ..runtime.rehearse import rehearse

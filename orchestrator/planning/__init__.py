@@ -3,6 +3,7 @@ of the probed topology. Pure Python: no Ray, no torch."""
 
 from __future__ import annotations
 
-from .plan import Plan, StepTime, job_context, plan_job
+from .flow import job_context, plan_job
+from .plan import Plan, StepTime
 
 __all__ = ["Plan", "StepTime", "job_context", "plan_job"]

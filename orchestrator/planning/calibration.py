@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..serialize import to_plain
 
 CALIBRATION_FILE = "calibration.json"
 TERMS = ("compute", "communication")
@@ -56,7 +57,7 @@ class CompileGain:
         return (self.model, self.block_class, self.params) == (name, block_class, params)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_plain(self)
 
 
 def block_speedup(eager_s: float, compiled_s: float, block_share: float) -> float:
@@ -110,7 +111,7 @@ class Calibration:
                 f"exposed communication x{self.communication:.2f}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_plain(self)
 
 
 UNCALIBRATED = Calibration()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..serialize import to_plain
 from ..topology.model import ClusterTopology, NodeTopology
 from .layout import ClusterLayout, node_name
 from .mesh import RankPlacement
@@ -23,7 +24,7 @@ class LeftOut:
     reason: str
 
     def to_dict(self) -> dict[str, str]:
-        return {"node": self.node, "hostname": self.hostname, "reason": self.reason}
+        return to_plain(self)
 
     def __str__(self) -> str:
         host = f" ({self.hostname})" if self.hostname else ""

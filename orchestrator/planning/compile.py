@@ -12,10 +12,11 @@ calibration).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlanError
+from ..serialize import from_plain, to_plain
 from .calibration import CompileGain
 
 COMPILE_SPEEDUP = {"gpu": 6667 / 5762, "cpu": 1.0}
@@ -76,14 +77,11 @@ class CompilePlan:
     same step prices that very saving back."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CompilePlan":
-        return cls(enabled=bool(d["enabled"]), requested=str(d["requested"]), compile_s=float(d["compile_s"]),
-                   saving_s_per_step=float(d["saving_s_per_step"]), steps=int(d["steps"]), reason=str(d["reason"]),
-                   block_share=float(d.get("block_share", 1.0)), measured=bool(d.get("measured", False)),
-                   block_compute_s=float(d.get("block_compute_s", 0.0)))
+        return from_plain(cls, d)
 
 
 EAGER = CompilePlan(enabled=False, requested="false", compile_s=0.0, saving_s_per_step=0.0, steps=0,

@@ -22,11 +22,9 @@ from .layout import ClusterLayout
 from .memory import ByteLayout, MemoryBreakdown, params_per_tp_rank, rank_memory, runtime_states
 from .mesh import Mesh
 from .model_math import ModelShape, block_params, flops_per_step, root_params
-from .pipeline import bubble_fraction, resolve_pipeline, slowest_stage, stage_cost, stage_share
+from .pipeline import StageShare, bubble_fraction, resolve_pipeline, slowest_stage, stage_cost, stage_share
 from .resolve import Execution, Unsupported, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
-
-GB = 1e9
 
 
 @dataclass(frozen=True)
@@ -117,12 +115,12 @@ class Estimate:
         return self.memory.total <= usable
 
 
-def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
+def group_links(ctx: JobContext, layout: ClusterLayout, axis: str) -> GroupLinks:
     """The links a group of `axis` runs over: its in-node ring, and its share of the network
     (every group of the axis on a node communicates at once, so they split the node's ports)."""
-    size = cl.mesh.size(axis)
-    per_node = cl.per_node[axis]
-    ring = cl.rings[axis]
+    size = layout.mesh.size(axis)
+    per_node = layout.per_node[axis]
+    ring = layout.rings[axis]
     spans = size > per_node
     inter = ctx.net_gbps * per_node / ctx.gpus_per_node if spans else math.inf
     return GroupLinks(size=size, per_node=per_node, intra_gbps=ring.gbps,
@@ -131,33 +129,33 @@ def group_links(ctx: JobContext, cl: ClusterLayout, axis: str) -> GroupLinks:
                       gloo_mem_gbps=None if ctx.on_gpu else ctx.speed.mem_gbps)
 
 
-def execution(ctx: JobContext, c: Choice) -> Execution:
-    """What runs for choice `c` (Unsupported when it cannot run at all)."""
+def execution(ctx: JobContext, choice: Choice) -> Execution:
+    """What runs for `choice` (Unsupported when it cannot run at all)."""
     pipeline = None
-    if c.mesh.pp > 1:
-        m = ctx.global_batch // (c.mesh.dp * c.micro_batch)
+    if choice.mesh.pp > 1:
+        microbatches = ctx.global_batch // (choice.mesh.dp * choice.micro_batch)
         try:
-            pipeline = resolve_pipeline(ctx.shape, c.mesh.pp, c.pp_schedule, m, c.virtual)
-        except ValueError as e:
-            raise Unsupported(str(e)) from e
-    return resolve(c.strategy, c.mesh, precision=ctx.precision, device=ctx.device, recompute=c.recompute,
-                   compression=c.compression, algorithm=c.algorithm, bucket_mb=c.bucket_mb or 25.0,
-                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=c.accum_sync)
+            pipeline = resolve_pipeline(ctx.shape, choice.mesh.pp, choice.pp_schedule, microbatches, choice.virtual)
+        except ValueError as error:
+            raise Unsupported(str(error)) from error
+    return resolve(choice.strategy, choice.mesh, precision=ctx.precision, device=ctx.device, recompute=choice.recompute,
+                   compression=choice.compression, algorithm=choice.algorithm, bucket_mb=choice.bucket_mb or 25.0,
+                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=choice.accum_sync)
 
 
-def accum_steps(ctx: JobContext, c: Choice) -> int:
-    """Micro-steps per optimizer step of choice `c` (a pipeline's micro-batches)."""
-    return ctx.global_batch // (c.mesh.dp * c.micro_batch)
+def accum_steps(ctx: JobContext, choice: Choice) -> int:
+    """Micro-steps per optimizer step of `choice` (a pipeline's micro-batches)."""
+    return ctx.global_batch // (choice.mesh.dp * choice.micro_batch)
 
 
-def held_grad_bytes(ex: Execution, layout: ByteLayout, accum: int) -> int | None:
+def held_grad_bytes(runs: Execution, layout: ByteLayout, accum: int) -> int | None:
     """Bytes per parameter of the unsharded gradient FSDP2 keeps between micro-steps when it
     reduces on the last one only: its reduce dtype (fp32, or the 16-bit compression dtype;
     `comm_hooks.fsdp_policy`). None where nothing is kept that way: DDP-style reducers keep
     their whole gradients in the `grads` layout anyway, and one micro-step keeps nothing."""
-    if ex.ddp_reduces or ex.reduce_every_micro_step or accum <= 1:
+    if runs.ddp_reduces or runs.reduce_every_micro_step or accum <= 1:
         return None
-    return min(2, layout.grads) if ex.compression in (Compression.fp16, Compression.bf16) else layout.grads
+    return min(2, layout.grads) if runs.compression in (Compression.fp16, Compression.bf16) else layout.grads
 
 
 def tp_all_reduces_per_micro_batch(shape: ModelShape, recompute: Recompute | str) -> int:
@@ -181,174 +179,343 @@ def tp_all_reduces_per_block(shape: ModelShape) -> tuple[int, int]:
     return spec.tp_rowwise_per_block, spec.tp_colwise_per_block
 
 
-def estimate(ctx: JobContext, cl: ClusterLayout, c: Choice) -> Estimate:
-    """Memory and step time of choice `c` on layout `cl`, as `resolve` says it runs;
-    Unsupported when it cannot run at all."""
-    shape, lay = ctx.shape, ctx.layout
-    ex = execution(ctx, c)
-    pl = ex.pipeline
-    tp, dp = c.mesh.tp, c.mesh.dp
-    accum = accum_steps(ctx, c)
-    # Gradient reductions per step: every micro-step, or only the last one's (`no_sync()` before
-    # it; a pipeline's stages always sync so).
-    syncs = accum if ex.reduce_every_micro_step else 1
-    held = held_grad_bytes(ex, lay, accum)
+# The records one estimate builds (Candidate, ComputeTerm, CommTerm) are slotted and not frozen:
+# the search builds thousands of them per plan, and a frozen dataclass's __init__ costs several
+# times a plain one's. Nothing keeps them past the estimate that made them.
+@dataclass(slots=True)
+class Candidate:
+    """What every cost term reads of one choice as it runs: its execution, its accumulation,
+    and the slowest pipeline stage's share of the model (the whole model without a pipeline)."""
+
+    choice: Choice
+    execution: Execution
+    """What runs for the choice (`resolve`)."""
+    accum: int
+    """Micro-steps per optimizer step (a pipeline's micro-batches)."""
+    syncs: int
+    """Gradient reductions per step: every micro-step, or only the last one's (`no_sync()`
+    before it; a pipeline's stages always sync so)."""
+    held: int | None
+    """FSDP2's unsharded gradient bytes per parameter kept between micro-steps (`held_grad_bytes`)."""
+    share: StageShare | None
+    """The slowest stage's blocks and root parameters; None without a pipeline."""
+    work: float
+    """The slowest stage's share of the model's compute (1 without a pipeline)."""
+    params_per_rank: float
+    """Parameters one rank of the slowest stage holds before data-parallel sharding."""
+    blocks: int
+    """Blocks the slowest stage runs."""
+    block_params: float
+    """Parameters of one block on one tensor-parallel rank."""
+
+
+def candidate(ctx: JobContext, choice: Choice) -> Candidate:
+    """The figures of `choice` every term reads; Unsupported when it cannot run at all."""
+    shape = ctx.shape
+    runs = execution(ctx, choice)
+    pipeline = runs.pipeline
+    accum = accum_steps(ctx, choice)
     # With a pipeline the accumulation steps are its micro-batches, and a rank holds and runs
     # its stage; the slowest stage sets the pace of the whole pipeline.
-    slow = slowest_stage(shape, pl)
-    share = stage_share(shape, pl, slow) if pl else None
-    work = stage_cost(shape, pl, slow) / stage_cost(shape, None, 0) if pl else 1.0
-    p_whole = params_per_tp_rank(shape, tp)
-    per_block_rank = (p_whole - root_params(shape)) / shape.layers
-    p_rank = share.blocks * per_block_rank + share.root if share else p_whole
-    blocks = share.blocks if share else shape.layers
-    block = block_params(shape) / tp
-    wrapping = ex.wrapping
+    slowest = slowest_stage(shape, pipeline)
+    share = stage_share(shape, pipeline, slowest) if pipeline else None
+    work = stage_cost(shape, pipeline, slowest) / stage_cost(shape, None, 0) if pipeline else 1.0
+    whole = params_per_tp_rank(shape, choice.mesh.tp)
+    per_block_rank = (whole - root_params(shape)) / shape.layers
+    return Candidate(choice=choice, execution=runs, accum=accum, syncs=accum if runs.reduce_every_micro_step else 1,
+                     held=held_grad_bytes(runs, ctx.layout, accum), share=share, work=work,
+                     params_per_rank=share.blocks * per_block_rank + share.root if share else whole,
+                     blocks=share.blocks if share else shape.layers,
+                     block_params=block_params(shape) / choice.mesh.tp)
+
+
+@dataclass(slots=True)
+class ComputeTerm:
+    """The matmuls and the optimizer of one step on the slowest rank."""
+
+    matmul_s: float
+    """Forward, backward and recomputation matmuls (and, on a GPU, the element-wise passes)."""
+    compute_s: float
+    """matmul_s plus the optimizer step."""
+    forward_s: float
+    """One micro-step's forward share of matmul_s: what an all-gather before it can hide behind."""
+    backward_s: float
+    """One micro-step's backward share of matmul_s: what a gradient reduction can hide behind."""
+    bubble_s: float
+    """Seconds the pipeline's slowest stage idles per step (its schedule's bubble)."""
+
+
+def compute_term(ctx: JobContext, cand: Candidate) -> ComputeTerm:
+    """The job's hardware FLOPs split evenly over the data- and tensor-parallel ranks, the
+    slowest pipeline stage's share of them on each, at the GEMM efficiency of one micro-batch;
+    the optimizer steps the states the rank keeps."""
+    shape, choice, pipeline = ctx.shape, cand.choice, cand.execution.pipeline
+    tp, dp = choice.mesh.tp, choice.mesh.dp
+    flops = flops_per_step(shape, ctx.global_batch, choice.recompute) / (dp * tp) * cand.work
+    gemm_efficiency = efficiency(choice.micro_batch * shape.seq, shape.hidden, tp, ctx.speed, ctx.on_gpu)
+    matmul_s = matmul_seconds(flops, ctx.speed, gemm_efficiency)
+    if ctx.on_gpu:
+        matmul_s += elementwise_seconds(ctx.global_batch * shape.seq / dp, shape.hidden, tp, cand.blocks,
+                                        str(choice.recompute), ctx.layout.activation, ctx.speed)
+    step_flops = flops_per_step(shape, ctx.global_batch, choice.recompute)
+    forward_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
+    # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
+    states = runtime_states(cand.execution.wrapping if pipeline else choice.strategy, shape, tp,
+                            cand.execution.shard_group, ctx.layout, cand.share)
+    return ComputeTerm(matmul_s=matmul_s,
+                       compute_s=matmul_s + optimizer_seconds(states.params + states.grads + states.optimizer,
+                                                              ctx.speed),
+                       forward_s=matmul_s / cand.accum * forward_share,
+                       backward_s=matmul_s / cand.accum * (1 - forward_share),
+                       bubble_s=matmul_s * pipeline.bubble if pipeline else 0.0)
+
+
+@dataclass(slots=True)
+class CommTerm:
+    """Communication of one kind in a step: its parts by what they carry, and what of them
+    compute does not hide."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds per step by what it is for, in the order the explanation lists them."""
+    exposed_s: tuple[float, ...] = ()
+    """The exposed seconds, in the order they add up (the step's total sums them so)."""
+    compute_s: tuple[float, ...] = ()
+    """Seconds of device-memory copies the communication makes compute wait for."""
+    bucket_mb: float = 0.0
+    """The gradient bucket the reduction runs in (DDP's bucket; FSDP2's unit)."""
+    schedule: str = ""
+    """The collective schedule of the gradient reduction, in words."""
+
+
+def tensor_parallel_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> CommTerm:
+    """All-reduces of a block's activations, forward and backward, and forward's again but the
+    last under full recomputation (`tp_all_reduces_per_micro_batch`; reduce-scatter +
+    all-gather pairs under sequence parallelism move the same bytes), on every micro-batch of
+    every block. Nothing hides them; a pipeline's bubble stretches them as it does compute."""
+    choice, pipeline, tp = cand.choice, cand.execution.pipeline, cand.choice.mesh.tp
+    if tp <= 1:
+        return CommTerm()
+    links = group_links(ctx, layout, "tp")
+    activation = choice.micro_batch * ctx.shape.seq * ctx.shape.hidden * ctx.layout.activation
+    if ctx.on_gpu:
+        per_all_reduce, _ = all_reduce(activation, tp, links.flat_gbps, links.flat_lat_us)
+    else:
+        per_all_reduce = gloo_all_reduce(activation, tp, links.flat_gbps, links.flat_lat_us, ctx.speed.mem_gbps)
+    count = tp_all_reduces_per_micro_batch(ctx.shape, choice.recompute)
+    seconds = cand.accum * cand.blocks * count * per_all_reduce * (1 + (pipeline.bubble if pipeline else 0.0))
+    return CommTerm(parts={"tp": seconds}, exposed_s=(seconds,))
+
+
+def pipeline_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> CommTerm:
+    """Each micro-batch's activation crosses every chunk boundary forward and its gradient
+    backward, on the link between adjacent stages; in the steady state a send overlaps the next
+    micro-batch's compute, the first micro-batch's trip through all p*v chunks forward and back
+    is on the critical path. A tied head's gradient sum follows the schedule, unhidden."""
+    pipeline = cand.execution.pipeline
+    if pipeline is None:
+        return CommTerm()
+    shape = ctx.shape
+    links = group_links(ctx, layout, "pp")
+    activation = cand.choice.micro_batch * shape.seq * shape.hidden * ctx.layout.activation
+    send = p2p_seconds(activation, links.flat_gbps, links.flat_lat_us, ctx.on_gpu)
+    parts = {"pipeline p2p": 2 * pipeline.virtual * pipeline.microbatches * send}
+    exposed = 2 * (pipeline.stages * pipeline.virtual - 1) * send
+    if ties_head(shape):
+        # The first stage holds the embedding, the last its tied copy as the head; after the
+        # schedule their gradients are summed (Megatron's embedding all-reduce, the runtime's
+        # `Pipelined._sync_tied`): each rank sends and receives its share of the vocabulary
+        # x hidden gradient over the pp link, before the optimizer can step. Nothing hides it.
+        tied = shape.vocab * shape.hidden * ctx.layout.grads / cand.execution.shard_group
+        parts["tied embedding sync"] = p2p_seconds(tied, links.flat_gbps, links.flat_lat_us, ctx.on_gpu)
+        exposed += parts["tied embedding sync"]
+    return CommTerm(parts=parts, exposed_s=(exposed,))
+
+
+def wire_bytes_per_gradient(ctx: JobContext, cand: Candidate) -> float:
+    """Bytes one gradient puts on the wire per reduction (compressed where the execution
+    compresses, PowerSGD's warm-up priced as its share of the run)."""
+    runs = cand.execution
+    return wire_bytes_per_grad(runs.compression, ctx.layout.grads, ctx.powersgd_ratio,
+                               runs.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
+
+
+def held_gradient_seconds(ctx: JobContext, cand: Candidate) -> float:
+    """Each micro-step after the first adds its gradient into FSDP2's kept unsharded one (a
+    read of both and a write, in device memory); reducing every micro-step would copy it into
+    the reduce-scatter's input instead (`sharded_sync_term`'s copy-in)."""
+    if cand.held is None or not ctx.on_gpu:
+        return 0.0
+    return (cand.accum - 1) * cand.params_per_rank * (ctx.layout.compute + 2 * cand.held) / (ctx.speed.mem_gbps * 1e9)
+
+
+def ddp_sync_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate, compute: ComputeTerm) -> CommTerm:
+    """DDP's bucketed all-reduce of the gradients while backward runs (also FSDP2 over a shard
+    group of one, which all-reduces per unit as DDP's buckets do): all but the last bucket
+    hides behind backward; ZeRO-1 then broadcasts each rank's stepped partition, unhidden."""
+    choice, runs = cand.choice, cand.execution
+    links = group_links(ctx, layout, "dp_replicate" if choice.strategy == Strategy.ddp else "dp_shard")
+    grad_bytes = cand.params_per_rank * wire_bytes_per_gradient(ctx, cand)
+    bucket_mb = choice.bucket_mb or auto_bucket_mb(grad_bytes, links.size, links.flat_gbps, links.flat_lat_us)
+    algorithm = str(runs.sync_algorithm)
+    reduction, schedule = group_all_reduce(grad_bytes, links, algorithm)
+    tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), links, algorithm)
+    parts = {"grad all-reduce": cand.syncs * reduction}
+    schedule += _flat_note(cand)
+    exposed = []
+    if runs.wrapping == Strategy.zero1 and links.size > 1:
+        # ZeroRedundancyOptimizer runs under DDP's all-reduce: each rank steps its partition
+        # and broadcasts it, one bucket per rank, after the step, where nothing hides it.
+        broadcast = group_all_gather(cand.params_per_rank * ctx.layout.weights, links, links.size)
+        parts["param broadcast"] = broadcast
+        schedule += f"; parameters: {links.size} broadcasts, one per rank's partition"
+        exposed.append(broadcast)
+    hides = ctx.on_gpu and links.size > 1
+    exposed.append(cand.syncs * ((overlapped(reduction, compute.backward_s) + tail) if hides else reduction))
+    return CommTerm(parts=parts, exposed_s=tuple(exposed), bucket_mb=bucket_mb, schedule=schedule)
+
+
+def sharded_sync_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate, compute: ComputeTerm) -> CommTerm:
+    """ZeRO-2/3 and FSDP2: a reduce-scatter of the gradients and all-gathers of the weights,
+    one collective per unit (each block, and the root's own parameters), so each pays the
+    ring's latency: at hundreds of ranks that, not bandwidth, is what small units cost. All but
+    the last unit's hide behind the pass they serve."""
+    runs, syncs, accum = cand.execution, cand.syncs, cand.accum
+    links = group_links(ctx, layout, "dp_shard")
+    per_gradient = wire_bytes_per_gradient(ctx, cand)
+    grad_bytes = cand.params_per_rank * per_gradient
+    block_wire = cand.block_params * per_gradient
+    units = cand.blocks + 1
+    reduce_scatter = group_reduce_scatter(grad_bytes, links, units)
+    reduce_scatter_block = group_reduce_scatter(block_wire, links)
+    gathered = cand.params_per_rank * ctx.layout.compute
+    all_gather = group_all_gather(gathered, links, units)
+    all_gather_block = group_all_gather(cand.block_params * ctx.layout.compute, links)
+    copy_out, copy_in = _fsdp_copies(ctx, links.size, gathered, grad_bytes)
+    forward_s, backward_s, hides = compute.forward_s, compute.backward_s, ctx.on_gpu
+    if not runs.reshard_after_forward:
+        # Weights gathered once, kept to the end; gradients reduce-scattered `syncs` times.
+        parts = {"grad reduce-scatter": syncs * reduce_scatter, "param all-gather": all_gather}
+        copies = copy_out + syncs * copy_in
+        exposed = (syncs * (overlapped(reduce_scatter, backward_s) + reduce_scatter_block)
+                   + overlapped(all_gather, forward_s) + all_gather_block) if hides \
+            else syncs * reduce_scatter + all_gather
+    else:
+        # ZeRO-3 / FSDP: gather forward and again for backward every micro-step; reduce-scatter
+        # on `syncs` of them, beside that micro-step's backward gathers.
+        parts = {"param all-gather": 2 * accum * all_gather, "grad reduce-scatter": syncs * reduce_scatter}
+        copies = accum * 2 * copy_out + syncs * copy_in
+        exposed = (accum * (overlapped(all_gather, forward_s) + all_gather_block)
+                   + (accum - syncs) * overlapped(all_gather, backward_s)
+                   + syncs * (overlapped(all_gather + reduce_scatter, backward_s) + reduce_scatter_block)) if hides \
+            else accum * 2 * all_gather + syncs * reduce_scatter
+    schedule = "flat ring reduce-scatter / all-gather" if links.size > 1 else NO_SCHEDULE
+    return CommTerm(parts=parts, exposed_s=(exposed,), compute_s=(copies,), bucket_mb=block_wire / MB,
+                    schedule=schedule)
+
+
+def _fsdp_copies(ctx: JobContext, group: int, gathered: float, grad_bytes: float) -> tuple[float, float]:
+    """FSDP2 copies each gathered unit out of the flat buffer into its parameters
+    (`foreach_all_gather_copy_out`), and each unit's gradients into the reduce-scatter's input
+    (`foreach_reduce`): a read and a write of the bytes in device memory each, which compute
+    waits for or shares the memory with. (copy out, copy in) seconds; none on CPU or alone."""
+    if not (ctx.on_gpu and group > 1):
+        return 0.0, 0.0
+    return 2 * gathered / (ctx.speed.mem_gbps * 1e9), 2 * grad_bytes / (ctx.speed.mem_gbps * 1e9)
+
+
+def replica_sync_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> CommTerm:
+    """HSDP: FSDP2 all-reduces each shard's gradients across the replicas in one flat group
+    (hsdp's mesh is the hierarchy), after the reduce-scatter, unhidden."""
+    links = group_links(ctx, layout, "dp_replicate")
+    grad_bytes = cand.params_per_rank * wire_bytes_per_gradient(ctx, cand)
+    seconds, schedule = group_all_reduce(grad_bytes / cand.execution.shard_group, links, "flat")
+    return CommTerm(parts={"replica all-reduce": cand.syncs * seconds}, exposed_s=(cand.syncs * seconds,),
+                    schedule=schedule)
+
+
+NO_SCHEDULE = "none (one data-parallel rank)"
+"""The gradient schedule's words where no data-parallel group reduces anything."""
+
+
+def data_parallel_terms(ctx: JobContext, layout: ClusterLayout, cand: Candidate,
+                        compute: ComputeTerm) -> tuple[CommTerm, ...]:
+    """The gradient sync of the strategy as it runs: DDP's all-reduce (ddp, zero1, FSDP2 over
+    a shard group of one), else FSDP2's reduce-scatter and all-gathers, and HSDP's replica
+    all-reduce after them."""
+    if _ddp_priced(cand):
+        return (ddp_sync_term(ctx, layout, cand, compute),)
+    sharded = sharded_sync_term(ctx, layout, cand, compute)
+    return (sharded, replica_sync_term(ctx, layout, cand)) if cand.execution.fsdp_replicates else (sharded,)
+
+
+def _ddp_priced(cand: Candidate) -> bool:
     # FSDP2 over a shard group of one (ddp with tensor parallelism) all-reduces per unit while
     # backward runs, as DDP's buckets do: both are priced as DDP's bucketed all-reduce.
-    ddp_priced = ex.ddp_reduces or c.strategy == Strategy.ddp
-    flat_note = (f" (parallel.sync=hierarchical runs flat: {ex.flat_reason})"
-                 if c.algorithm == SyncAlgorithm.hierarchical and ex.flat_reason else "")
+    return cand.execution.ddp_reduces or cand.choice.strategy == Strategy.ddp
 
-    # Compute: the job's hardware FLOPs split evenly over the data- and tensor-parallel ranks,
-    # the slowest pipeline stage's share of them on each.
-    flops = flops_per_step(shape, ctx.global_batch, c.recompute) / (dp * tp) * work
-    eff = efficiency(c.micro_batch * shape.seq, shape.hidden, tp, ctx.speed, ctx.on_gpu)
-    mm = matmul_seconds(flops, ctx.speed, eff)
-    if ctx.on_gpu:
-        mm += elementwise_seconds(ctx.global_batch * shape.seq / dp, shape.hidden, tp, blocks, str(c.recompute),
-                                  lay.activation, ctx.speed)
-    step_flops = flops_per_step(shape, ctx.global_batch, c.recompute)
-    fwd_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
-    fwd, bwd = mm / accum * fwd_share, mm / accum * (1 - fwd_share)
-    # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
-    st = runtime_states(ex.wrapping if pl else c.strategy, shape, tp, ex.shard_group, lay, share)
-    compute_s = mm + optimizer_seconds(st.params + st.grads + st.optimizer, ctx.speed)
-    bubble_s = mm * pl.bubble if pl else 0.0
 
-    # Tensor parallelism: all-reduces of a block's activations, forward and backward, and
-    # forward's again but the last under full recomputation (`tp_all_reduces_per_micro_batch`;
-    # reduce-scatter + all-gather pairs under sequence parallelism move the same bytes).
-    # Nothing hides them.
+def _flat_note(cand: Candidate) -> str:
+    """Why a requested hierarchical all-reduce runs flat, in words ('' where it does not)."""
+    runs = cand.execution
+    if cand.choice.algorithm == SyncAlgorithm.hierarchical and runs.flat_reason:
+        return f" (parallel.sync=hierarchical runs flat: {runs.flat_reason})"
+    return ""
+
+
+def sync_schedule(cand: Candidate, terms: tuple[CommTerm, ...]) -> str:
+    """The gradient reduction's schedule in words: DDP's as its term says it, else the
+    shards', the replicas' after it, and why a requested hierarchical all-reduce runs flat."""
+    if _ddp_priced(cand):
+        return terms[0].schedule
+    schedule = terms[0].schedule
+    if len(terms) > 1:
+        schedule = f"{schedule}; replicas: {terms[1].schedule}"
+    return schedule + _flat_note(cand)
+
+
+def estimate(ctx: JobContext, layout: ClusterLayout, choice: Choice) -> Estimate:
+    """Memory and step time of `choice` on `layout`, as `resolve` says it runs, term by term;
+    Unsupported when it cannot run at all."""
+    cand = candidate(ctx, choice)
+    compute = compute_term(ctx, cand)
+    model_parallel = (tensor_parallel_term(ctx, layout, cand), pipeline_term(ctx, layout, cand))
+    gradient_sync = data_parallel_terms(ctx, layout, cand, compute)
     parts: dict[str, float] = {}
-    if tp > 1:
-        tpl = group_links(ctx, cl, "tp")
-        act = c.micro_batch * shape.seq * shape.hidden * lay.activation
-        if ctx.on_gpu:
-            per_ar, _ = all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us)
-        else:
-            per_ar = gloo_all_reduce(act, tp, tpl.flat_gbps, tpl.flat_lat_us, ctx.speed.mem_gbps)
-        n = tp_all_reduces_per_micro_batch(shape, c.recompute)
-        parts["tp"] = accum * blocks * n * per_ar * (1 + (pl.bubble if pl else 0.0))
-    if pl:
-        # Each micro-batch's activation crosses every chunk boundary forward and its gradient
-        # backward, on the link between adjacent stages (torch's schedules wait for them).
-        ppl = group_links(ctx, cl, "pp")
-        act = c.micro_batch * shape.seq * shape.hidden * lay.activation
-        send = p2p_seconds(act, ppl.flat_gbps, ppl.flat_lat_us, ctx.on_gpu)
-        parts["pipeline p2p"] = 2 * pl.virtual * pl.microbatches * send
-        # In the steady state a send overlaps the next micro-batch's compute; the first
-        # micro-batch's trip through all p*v chunks forward and back is on the critical path.
-        p2p_exposed = 2 * (pl.stages * pl.virtual - 1) * send
-        if ties_head(shape):
-            # The first stage holds the embedding, the last its tied copy as the head; after the
-            # schedule their gradients are summed (Megatron's embedding all-reduce, the runtime's
-            # `Pipelined._sync_tied`): each rank sends and receives its share of the vocabulary
-            # x hidden gradient over the pp link, before the optimizer can step. Nothing hides it.
-            tied = shape.vocab * shape.hidden * lay.grads / ex.shard_group
-            parts["tied embedding sync"] = p2p_seconds(tied, ppl.flat_gbps, ppl.flat_lat_us, ctx.on_gpu)
-            p2p_exposed += parts["tied embedding sync"]
-    else:
-        p2p_exposed = 0.0
-    tp_s = parts.get("tp", 0.0) + p2p_exposed
-
-    grad_wire = wire_bytes_per_grad(ex.compression, lay.grads, ctx.powersgd_ratio,
-                                    ex.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
-    grad_bytes = p_rank * grad_wire
-    if held is not None and ctx.on_gpu:
-        # Each micro-step after the first adds its gradient into FSDP2's kept unsharded one (a
-        # read of both and a write, in device memory); reducing every micro-step would copy it
-        # into the reduce-scatter's input instead (`copy_in` below).
-        compute_s += (accum - 1) * p_rank * (lay.compute + 2 * held) / (ctx.speed.mem_gbps * 1e9)
-    overlap = ctx.on_gpu
-    exposed = tp_s
-    schedule = "none (one data-parallel rank)"
-    if ddp_priced:
-        axis = "dp_replicate" if c.strategy == Strategy.ddp else "dp_shard"
-        gl = group_links(ctx, cl, axis)
-        bucket_mb = c.bucket_mb or auto_bucket_mb(grad_bytes, gl.size, gl.flat_gbps, gl.flat_lat_us)
-        algo = str(ex.sync_algorithm)
-        red, schedule = group_all_reduce(grad_bytes, gl, algo)
-        tail, _ = group_all_reduce(min(bucket_mb * MB, grad_bytes), gl, algo)
-        parts["grad all-reduce"] = syncs * red
-        schedule += flat_note
-        if wrapping == Strategy.zero1 and gl.size > 1:
-            # ZeroRedundancyOptimizer runs under DDP's all-reduce: each rank steps its partition
-            # and broadcasts it, one bucket per rank, after the step, where nothing hides it.
-            broadcast = group_all_gather(p_rank * lay.weights, gl, gl.size)
-            parts["param broadcast"] = broadcast
-            schedule += f"; parameters: {gl.size} broadcasts, one per rank's partition"
-            exposed += broadcast
-        exposed += syncs * ((overlapped(red, bwd) + tail) if overlap and gl.size > 1 else red)
-    else:
-        gl = group_links(ctx, cl, "dp_shard")
-        bucket_mb = block * grad_wire / MB
-        # FSDP2 issues one collective per unit (each block, and the root's own parameters), so
-        # each pays the ring's latency: at hundreds of ranks that, not bandwidth, is what
-        # small units cost.
-        units = blocks + 1
-        rs = group_reduce_scatter(grad_bytes, gl, units)
-        rs_block = group_reduce_scatter(block * grad_wire, gl)
-        gather_w = p_rank * lay.compute
-        ag = group_all_gather(gather_w, gl, units)
-        ag_block = group_all_gather(block * lay.compute, gl)
-        if ctx.on_gpu and gl.size > 1:
-            # FSDP2 copies each gathered unit out of the flat buffer into its parameters
-            # (`foreach_all_gather_copy_out`), and each unit's gradients into the
-            # reduce-scatter's input (`foreach_reduce`): a read and a write of the bytes in
-            # device memory each, which compute waits for or shares the memory with.
-            copy_out = 2 * gather_w / (ctx.speed.mem_gbps * 1e9)
-            copy_in = 2 * grad_bytes / (ctx.speed.mem_gbps * 1e9)
-        else:
-            copy_out = copy_in = 0.0
-        if not ex.reshard_after_forward:
-            # Weights gathered once, kept to the end; gradients reduce-scattered `syncs` times.
-            parts["grad reduce-scatter"], parts["param all-gather"] = syncs * rs, ag
-            compute_s += copy_out + syncs * copy_in
-            if overlap:
-                exposed += syncs * (overlapped(rs, bwd) + rs_block) + overlapped(ag, fwd) + ag_block
-            else:
-                exposed += syncs * rs + ag
-        else:
-            # ZeRO-3 / FSDP: gather forward and again for backward every micro-step; reduce-scatter
-            # on `syncs` of them, beside that micro-step's backward gathers.
-            parts["param all-gather"], parts["grad reduce-scatter"] = 2 * accum * ag, syncs * rs
-            compute_s += accum * 2 * copy_out + syncs * copy_in
-            if overlap:
-                exposed += (accum * (overlapped(ag, fwd) + ag_block) + (accum - syncs) * overlapped(ag, bwd)
-                            + syncs * (overlapped(ag + rs, bwd) + rs_block))
-            else:
-                exposed += accum * 2 * ag + syncs * rs
-        schedule = "flat ring reduce-scatter / all-gather" if gl.size > 1 else schedule
-        if ex.fsdp_replicates:
-            # FSDP2 all-reduces across replicas in one flat group: hsdp's mesh is the hierarchy.
-            rl = group_links(ctx, cl, "dp_replicate")
-            ar, sched = group_all_reduce(grad_bytes / ex.shard_group, rl, "flat")
-            parts["replica all-reduce"] = syncs * ar
-            exposed += syncs * ar
-            schedule = f"{schedule}; replicas: {sched}"
-        schedule += flat_note
+    for term in model_parallel + gradient_sync:
+        parts.update(term.parts)
+    exposed = sum(x for term in model_parallel for x in term.exposed_s)
+    for term in gradient_sync:
+        for seconds in term.exposed_s:
+            exposed += seconds
+    compute_s = compute.compute_s + held_gradient_seconds(ctx, cand)
+    for seconds in gradient_sync[0].compute_s:
+        compute_s += seconds
+    schedule = sync_schedule(cand, gradient_sync)
+    runs = cand.execution
+    sync = SyncPlan(bucket_mb=round(gradient_sync[0].bucket_mb, 3),
+                    algorithm=SyncAlgorithm("hierarchical" if schedule.startswith("hierarchical") else "flat"),
+                    compression=runs.compression, grad_accum_steps=cand.accum, overlap=ctx.on_gpu,
+                    accum_sync=AccumSync.per_micro_step if runs.reduce_every_micro_step else AccumSync.last_micro_step)
+    memory = _peak_memory(ctx, choice, runs, gradient_sync[0].bucket_mb * MB if runs.ddp_reduces else 0.0, cand.held)
     comm_s = sum(parts.values())
-    algorithm = "hierarchical" if schedule.startswith("hierarchical") else "flat"
-    sync = SyncPlan(bucket_mb=round(bucket_mb, 3), algorithm=SyncAlgorithm(algorithm), compression=ex.compression,
-                    grad_accum_steps=accum, overlap=overlap,
-                    accum_sync=AccumSync.per_micro_step if ex.reduce_every_micro_step else AccumSync.last_micro_step)
-    mem = _peak_memory(ctx, c, ex, bucket_mb * MB if ex.ddp_reduces else 0.0, held)
-    # A trial's measured factors scale whole term kinds; the terms' shapes stay the model's.
-    k_c, k_m = ctx.calibration.compute, ctx.calibration.communication
-    return Estimate(choice=c, execution=ex, memory=mem, compute_s=compute_s * k_c, comm_s=comm_s * k_m,
-                    exposed_comm_s=min(exposed, comm_s) * k_m, sync=sync,
-                    comm_parts={k: v * k_m for k, v in parts.items()}, schedule=schedule, bubble_s=bubble_s * k_c)
+    # What compute hides of communication is bounded by the communication itself.
+    return calibrated(ctx.calibration, Estimate(
+        choice=choice, execution=runs, memory=memory, compute_s=compute_s, comm_s=comm_s,
+        exposed_comm_s=min(exposed, comm_s), sync=sync, comm_parts=parts, schedule=schedule,
+        bubble_s=compute.bubble_s))
+
+
+def calibrated(calibration: Calibration, raw: Estimate) -> Estimate:
+    """`raw` with a trial's measured factors applied: they scale whole term kinds (compute and
+    the bubble by one, communication by the other); the terms' shapes stay the model's."""
+    if not calibration.applied:
+        return raw  # factors of 1.0 change nothing
+    compute, communication = calibration.compute, calibration.communication
+    return Estimate(choice=raw.choice, execution=raw.execution, memory=raw.memory, compute_s=raw.compute_s * compute,
+                    comm_s=raw.comm_s * communication,
+                    exposed_comm_s=raw.exposed_comm_s * communication, sync=raw.sync,
+                    comm_parts={k: v * communication for k, v in raw.comm_parts.items()}, schedule=raw.schedule,
+                    bubble_s=raw.bubble_s * compute)
 
 
 # Compute slows while a collective runs beside it: NCCL's kernels take SMs and their traffic
@@ -381,26 +548,28 @@ def p2p_seconds(nbytes: float, gbps: float, lat_us: float, on_gpu: bool) -> floa
     return launch + lat_us * 1e-6 + nbytes / (gbps * 1e9)
 
 
-def _peak_memory(ctx: JobContext, c: Choice, ex: Execution, bucket_bytes: float,
+def _peak_memory(ctx: JobContext, choice: Choice, runs: Execution, bucket_bytes: float,
                  held: int | None = None) -> MemoryBreakdown:
     """Peak bytes of the fullest rank: every pipeline stage differs (the first holds the
     embeddings and the most micro-batches in flight, the last the head and the logits).
     `held`: FSDP2's unsharded gradient bytes per parameter kept between micro-steps."""
     # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
-    wrapping = ex.wrapping if ex.pipeline else c.strategy
-    args = (wrapping, ctx.shape, c.mesh.tp, ex.shard_group, c.micro_batch, c.recompute, ctx.layout, bucket_bytes,
+    wrapping = runs.wrapping if runs.pipeline else choice.strategy
+    args = (wrapping, ctx.shape, choice.mesh.tp, runs.shard_group, choice.micro_batch, choice.recompute, ctx.layout,
+            bucket_bytes,
             ctx.on_gpu)
-    pl = ex.pipeline
-    if pl is None:
-        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, c))
+    pipeline = runs.pipeline
+    if pipeline is None:
+        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, choice))
     # Activations in flight fall with the stage index and blocks differ by at most one between
     # middle stages, so the fullest rank is the first, the second, the last, or the first middle
     # stage with the most blocks.
-    middle = range(1, pl.stages - 1)
-    most = max(middle, key=lambda s: stage_share(ctx.shape, pl, s).blocks, default=0)
-    return max((rank_memory(*args, share=stage_share(ctx.shape, pl, s),
-                            held_grad_bytes=held, micro_steps=pl.microbatches)
-                for s in sorted({0, min(1, pl.stages - 1), most, pl.stages - 1})), key=lambda m: m.total)
+    middle = range(1, pipeline.stages - 1)
+    most = max(middle, key=lambda stage: stage_share(ctx.shape, pipeline, stage).blocks, default=0)
+    return max((rank_memory(*args, share=stage_share(ctx.shape, pipeline, stage),
+                            held_grad_bytes=held, micro_steps=pipeline.microbatches)
+                for stage in sorted({0, min(1, pipeline.stages - 1), most, pipeline.stages - 1})),
+               key=lambda memory: memory.total)
 
 
 def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Recompute | str = Recompute.none) -> float:
@@ -409,8 +578,9 @@ def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Reco
     matmuls split perfectly over every rank, and the smallest bubble a pipeline of that many
     micro-batches can have (interleaved with two chunks, zero-bubble's third of it), nothing
     else."""
-    eff = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
-    busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed, eff)
-    m = max(1, ctx.global_batch // (mesh.dp * micro_batch))
-    return busy * ctx.calibration.compute * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, m,
+    gemm_efficiency = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
+    busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed,
+                          gemm_efficiency)
+    microbatches = max(1, ctx.global_batch // (mesh.dp * micro_batch))
+    return busy * ctx.calibration.compute * (1 + bubble_fraction(PipelineSchedule.zero_bubble, mesh.pp, microbatches,
                                                                  2 if mesh.pp > 1 else 1))

@@ -7,6 +7,7 @@ probe recorded them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 GB = 1e9
@@ -100,8 +101,10 @@ UNLISTED_GPU = GpuSpec("unlisted GPU", 100.0, 16 * GB, 900.0, 15.0)
 CPU_SLOT = GpuSpec("cpu", 0.2, 8 * GIB, 20.0, 0.2, ("CPU",))
 
 
+@functools.cache
 def lookup(name: str | None) -> GpuSpec | None:
-    """The table entry whose short name or NVML substring matches `name`; None when none does."""
+    """The table entry whose short name or NVML substring matches `name`; None when none does.
+    Cached: planning a cluster asks it for every device, by the same few names."""
     if not name:
         return None
     up = name.upper().replace("_", " ")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..topology.model import ClusterTopology, NodeTopology
-from .mesh import Mesh, RankPlacement
+from .mesh import Mesh
 
 # Beyond these counts the exhaustive searches fall back to greedy construction.
 _MAX_CYCLES = 50_000
@@ -375,12 +375,3 @@ def _with_pipeline(layout: NodeLayout, wiring: NodeWiring, shape_in: Mesh, spans
         rings[axis] = RingStats(worst, lat)
     return NodeLayout(order=layout.order, rings=rings, uniform=layout.uniform)
 
-
-def rank_placements(topo: ClusterTopology, layout: ClusterLayout) -> tuple[RankPlacement, ...]:
-    """The node and GPU of every global rank, in rank order."""
-    out = []
-    for n, node in enumerate(topo.nodes):
-        order = layout.layouts[layout.node_index[n]].order
-        name, base = node_name(node, n), n * len(order)
-        out.extend(RankPlacement(base + j, name, gpu) for j, gpu in enumerate(order))
-    return tuple(out)

@@ -19,12 +19,13 @@ paper's layout (2 + 2 + 12), kept for its tables.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..choices import Precision, Strategy
-from .activations import ValueBytes, activation_profile, value_bytes
+from ..serialize import to_plain
+from .activations import ActivationBytes, ValueBytes, activation_profile, value_bytes
 from .model_math import ModelShape, root_params, tp_param_split
-from .pipeline import StageShare, whole_model_moment
+from .pipeline import Moment, StageShare, whole_model_moment
 from .resolve import resolve_precision, wrapping_of
 
 STRATEGIES = Strategy.concrete()
@@ -105,7 +106,7 @@ class MemoryBreakdown:
     """The sum of the above."""
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return to_plain(self)
 
 
 def params_per_tp_rank(shape: ModelShape, tp: int) -> float:
@@ -220,8 +221,8 @@ def buffer_bytes(
     if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
         comm = 2 * bucket_bytes
     else:
-        st = runtime_states(strategy, shape, tp, shard, layout, share)
-        comm = st.gathered + st.unsharded_grads
+        states = runtime_states(strategy, shape, tp, shard, layout, share)
+        comm = states.gathered + states.unsharded_grads
     if share is not None:
         comm += share.recv_buffers * micro_batch * shape.seq * shape.hidden * layout.activation
     if tp > 1:
@@ -267,44 +268,49 @@ def rank_memory(
     micro-steps (`runtime_states`). `micro_steps`: without a pipeline, the accumulation steps:
     past the first, the gradients of the earlier ones are held while the loss's backward runs.
     """
-    st = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
-    w, g, k = st.params, st.grads, st.optimizer
+    states = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
     values = forward_values(strategy, tp, layout, on_gpu)
-    buf = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
+    buffers = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
     fsdp = wrapping_of(strategy, tp) not in (Strategy.ddp, Strategy.zero1)
     # zero3 and hsdp reshard every unit after its forward, the root too, and gather none again
     # before its own backward: none is gathered while the loss runs backward (in a pipeline
     # they keep every unit gathered, as zero2 does).
     resharded = wrapping_of(strategy, tp) != Strategy.zero2 and share is None
-    idle = st.unsharded_grads + (st.gathered if resharded else 0.0)
-    # A first stage's embedding gradient comes once its micro-batch's activations are freed.
-    late = st.late_grads
+    idle = states.unsharded_grads + (states.gathered if resharded else 0.0)
     phases = []
     moments = share.moments if share is not None and share.moments else (
         whole_model_moment(shape.layers if share is None else share.blocks, micro_steps),)
-    for mo in moments:
-        profile = activation_profile(shape, micro_batch, tp, recompute, values, stage=share, moment=mo)
+    for moment in moments:
+        profile = activation_profile(shape, micro_batch, tp, recompute, values, stage=share, moment=moment)
         if not fsdp:
             # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step
             # long: one peak, the largest activations beside them all.
-            phases.append((g, profile.peak, buf))
+            phases.append((states.grads, profile.peak, buffers))
             continue
-        # FSDP2 makes its gradients in backward: none of this backward's exist when the loss's
-        # backward holds the logits' gradients, and a block's unsharded gradients only once the
-        # blocks run backward, when those logits are gone. The blocks make their gradients one
-        # after another while each frees what it kept: their backward is fullest of activations
-        # as it starts and of gradients as it ends. Earlier backwards' gradients are there all
-        # along.
-        rg = st.root_grads
-        before = (g - rg) * mo.blocks_before + rg * mo.root_before
-        after = (g - rg) * mo.blocks_after + rg * mo.root_after
-        # The embeddings' unsharded gradient is made at the end of each backward of their chunk.
-        made_late = late if mo.makes_root else 0.0
-        phases += [(before, profile.peak, buf - idle), (before, profile.in_blocks, buf - late),
-                   (after, profile.blocks_done, buf - late), (after, profile.after_backward, buf - late + made_late)]
-    grads, act, buffers = max(phases, key=sum)
-    parts = [int(round(x)) for x in (w, grads, k, act, buffers)]
+        phases += _fsdp_phases(states, moment, profile, buffers, idle)
+    grads, activations, held_buffers = max(phases, key=sum)
+    parts = [int(round(x)) for x in (states.params, grads, states.optimizer, activations, held_buffers)]
     return MemoryBreakdown(*parts, total=sum(parts))
+
+
+def _fsdp_phases(states: StateBytes, moment: Moment, profile: ActivationBytes, buffers: float,
+                 idle: float) -> list[tuple[float, float, float]]:
+    """(gradients, activations, buffers) at the four moments of one FSDP2 backward.
+
+    FSDP2 makes its gradients in backward: none of this backward's exist when the loss's
+    backward holds the logits' gradients, and a block's unsharded gradients only once the
+    blocks run backward, when those logits are gone. The blocks make their gradients one after
+    another while each frees what it kept: their backward is fullest of activations as it
+    starts and of gradients as it ends. Earlier backwards' gradients are there all along."""
+    grads, root_grads = states.grads, states.root_grads
+    before = (grads - root_grads) * moment.blocks_before + root_grads * moment.root_before
+    after = (grads - root_grads) * moment.blocks_after + root_grads * moment.root_after
+    # A first stage's embedding gradient comes once its micro-batch's activations are freed;
+    # the embeddings' unsharded gradient is made at the end of each backward of their chunk.
+    late = states.late_grads
+    made_late = late if moment.makes_root else 0.0
+    return [(before, profile.peak, buffers - idle), (before, profile.in_blocks, buffers - late),
+            (after, profile.blocks_done, buffers - late), (after, profile.after_backward, buffers - late + made_late)]
 
 
 def usable_bytes(capacity: int, on_gpu: bool) -> int:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
+
+from ..serialize import from_plain, to_plain
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh axes, outermost first."""
@@ -20,6 +23,9 @@ AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 @dataclass(frozen=True)
 class Mesh:
     """Ranks along each axis; their product is the world size."""
+
+    PLAIN_KEYS: ClassVar[tuple[str, ...]] = AXES
+    """JSON writes the axes outermost first, as `shape` lists them."""
 
     dp_replicate: int = 1
     """Replicas of the model states (DDP's data parallelism, HSDP's replica groups)."""
@@ -57,14 +63,14 @@ class Mesh:
         return getattr(self, axis)
 
     def to_dict(self) -> dict[str, int]:
-        return {a: getattr(self, a) for a in AXES}
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, int]) -> "Mesh":
         unknown = set(d) - set(AXES)
         if unknown:
             raise ValueError(f"mesh axes are {', '.join(AXES)}; got {', '.join(sorted(unknown))}")
-        return cls(**{a: int(d[a]) for a in AXES if a in d})
+        return from_plain(cls, d)
 
     def groups(self) -> dict[str, list[list[int]]]:
         """The rank sets varying along each axis, in init_device_mesh's numbering (pp only
@@ -111,5 +117,4 @@ class RankPlacement:
             raise ValueError(f"rank and device index are non-negative, got rank {self.rank} device {self.gpu}")
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "node": self.node, "gpu": self.gpu, "nic": self.nic,
-                "nvlink_domain": self.nvlink_domain}
+        return to_plain(self)

@@ -181,22 +181,3 @@ def activation_bytes_per_layer(
         return sbh * (34 / tp + attention)
     return sbh * (10 + 24 / tp + attention)
 
-
-def activation_bytes(
-    shape: ModelShape,
-    micro_batch: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    bytes_per_value: int = 2,
-) -> float:
-    """Activation bytes of a whole forward kept for backward, per rank.
-
-    The l blocks plus Korthikanti's embedding/output term 4sbh/t (1 + V/h) (the embedding's
-    dropout mask and input, the final LayerNorm, the logits). `bytes_per_value` = 4 scales
-    the 16-bit figures for a pure fp32 run.
-    """
-    per_layer = activation_bytes_per_layer(shape, micro_batch, tp, sequence_parallel, recompute)
-    s, b, h = shape.seq, micro_batch, shape.hidden
-    extra = 4 * s * b * h / tp * (1 + shape.vocab / h)
-    return (shape.layers * per_layer + extra) * bytes_per_value / 2

@@ -8,8 +8,10 @@ The built-in GPT needs no measurement: its `ModelShape` formulas give the same n
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from ..serialize import to_plain
 
 
 @dataclass(frozen=True)
@@ -103,4 +105,4 @@ class ModelSpec:
             raise ValueError("model spec: tensor parallelism cannot shard more parameters than the model has")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_plain(self)

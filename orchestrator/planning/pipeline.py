@@ -33,11 +33,12 @@ priced by the cost and memory models, executed by `runtime/pipeline.py`):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator
 
 from ..choices import PipelineSchedule
+from ..serialize import from_plain, to_plain
 from .model_math import ModelShape
 
 # ZB-H1's bubble relative to 1F1B's (Qi et al. 2023, Sec. 3): about a third.
@@ -139,15 +140,11 @@ class Pipeline:
         return _moments(self, stage)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["schedule"], d["layers"] = str(self.schedule), list(self.layers)
-        return d
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Pipeline":
-        return cls(stages=int(d["stages"]), schedule=PipelineSchedule(d["schedule"]),
-                   microbatches=int(d["microbatches"]), virtual=int(d["virtual"]),
-                   layers=tuple(int(x) for x in d["layers"]))
+        return from_plain(cls, d)
 
 
 def bubble_fraction(schedule: PipelineSchedule | str, p: int, m: int, v: int = 1) -> float:

@@ -6,8 +6,9 @@ the predictions come from the memory model and `traffic`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from ..serialize import to_plain
 from .cost import JobContext, held_grad_bytes
 from .memory import GPU_WORKSPACE_BYTES, rank_memory
 from .pipeline import stage_share
@@ -59,7 +60,7 @@ class CollectiveRow:
         return relative_gap(self.bytes, self.predicted_bytes) > BYTES_TOLERANCE
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return to_plain(self)
 
 
 def relative_gap(measured: float, predicted: float) -> float:

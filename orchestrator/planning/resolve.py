@@ -143,20 +143,56 @@ def resolve(
         raise ValueError(f"device kind must be one of {', '.join(DEVICE_KINDS)}, got {device!r}")
     strategy, recompute = Strategy(strategy), Recompute(recompute)
     compression, algorithm, accum_sync = Compression(compression), SyncAlgorithm(algorithm), AccumSync(accum_sync)
+    _check_request(strategy, mesh, recompute, compression, accum_sync, bucket_mb, pipeline)
+    if mesh.pp == 1:
+        pipeline = None
+    notes: list[str] = []
+    wrapping = _wrapping(strategy, mesh, pipeline, notes)
+    ddp_reduces = wrapping in (Strategy.ddp, Strategy.zero1)
+    autocast = resolve_precision(precision, device)
+    loss_scaling = autocast == Precision.fp16
+    _check_loss_scaling(loss_scaling, strategy, mesh)
+    compression = _compression(compression, device, ddp_reduces, notes)
+    if pipeline is not None and wrapping in (Strategy.zero3, Strategy.hsdp):
+        notes.append(f"{strategy} with pp={mesh.pp} keeps gathered weights through the step (no reshard after "
+                     f"forward): each of the {pipeline.microbatches} micro-batches would otherwise all-gather them")
+    reduce_every = _reduce_every(accum_sync, wrapping, ddp_reduces, pipeline, notes)
+    why_flat = _flat_reason(strategy, wrapping, mesh.tp, ddp_reduces, compression)
+    if why_flat and algorithm != SyncAlgorithm.flat:
+        if algorithm == SyncAlgorithm.hierarchical:
+            notes.append(f"hierarchical all-reduce runs flat: {why_flat}")
+        algorithm = SyncAlgorithm.flat
+    return Execution(
+        strategy=strategy, mesh=mesh, device=device, wrapping=wrapping, shard_group=_shard_group(strategy, mesh),
+        ddp_reduces=ddp_reduces,
+        zero_optimizer=wrapping == Strategy.zero1,
+        reshard_after_forward=wrapping in (Strategy.zero3, Strategy.hsdp) and pipeline is None,
+        fsdp_replicates=not ddp_reduces and strategy in (Strategy.ddp, Strategy.hsdp),
+        autocast=autocast, param_dtype=autocast or Precision.fp32, loss_scaling=loss_scaling,
+        sync_algorithm=algorithm, compression=compression,
+        compression_warmup_steps=powersgd_warmup(max_steps) if compression == Compression.powersgd else 0,
+        recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes), pipeline=pipeline,
+        reduce_every_micro_step=reduce_every,
+    )
+
+
+def _check_request(strategy: Strategy, mesh: Mesh, recompute: Recompute, compression: Compression,
+                   accum_sync: AccumSync, bucket_mb: float, pipeline: Pipeline | None) -> None:
+    """ValueError for a request `resolve` cannot take; Unsupported for ddp asked to shard."""
     if strategy == Strategy.auto or recompute == Recompute.auto or compression == Compression.auto \
             or accum_sync == AccumSync.auto:
         raise ValueError("resolve takes concrete choices; `auto` is the planner's to decide")
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
-    tp = mesh.tp
-    notes: list[str] = []
     if mesh.pp > 1 and (pipeline is None or pipeline.stages != mesh.pp):
         raise ValueError(f"a mesh with pp={mesh.pp} needs a pipeline of {mesh.pp} stages, got {pipeline}")
-    if mesh.pp == 1:
-        pipeline = None
     if strategy == Strategy.ddp and mesh.dp_shard > 1:
         raise Unsupported(f"ddp does not shard: dp_shard must be 1, got {mesh.dp_shard} (use hsdp or zero*)")
 
+
+def _wrapping(strategy: Strategy, mesh: Mesh, pipeline: Pipeline | None, notes: list[str]) -> Strategy:
+    """What wraps the model for `strategy` on `mesh`, with a note where that is not the strategy."""
+    tp = mesh.tp
     wrapping = wrapping_of(strategy, tp)
     if wrapping != strategy:
         notes.append(f"{strategy} with tp={tp} runs as FSDP2 (zero2's wrapping"
@@ -171,16 +207,19 @@ def resolve(
         notes.append(f"{strategy} with pp={mesh.pp} runs as FSDP2 (zero2's wrapping"
                      + (", nothing sharded)" if strategy == Strategy.ddp else ")")
                      + ": torch's pipeline stages sync gradients through FSDP2")
-    ddp_reduces = wrapping in (Strategy.ddp, Strategy.zero1)
-    if strategy == Strategy.ddp:
-        shard_group = 1
-    elif strategy == Strategy.hsdp:
-        shard_group = mesh.dp_shard
-    else:
-        shard_group = mesh.dp
+    return wrapping
 
-    autocast = resolve_precision(precision, device)
-    loss_scaling = autocast == Precision.fp16
+
+def _shard_group(strategy: Strategy, mesh: Mesh) -> int:
+    """Ranks the model states are sharded over."""
+    if strategy == Strategy.ddp:
+        return 1
+    return mesh.dp_shard if strategy == Strategy.hsdp else mesh.dp
+
+
+def _check_loss_scaling(loss_scaling: bool, strategy: Strategy, mesh: Mesh) -> None:
+    """Unsupported where fp16's loss scaling cannot run (it runs with DDP only)."""
+    tp = mesh.tp
     if loss_scaling and mesh.pp > 1:
         raise Unsupported(f"train.precision=fp16 needs loss scaling, which runs with DDP only, not with pp={mesh.pp}; "
                           f"use train.precision=bf16")
@@ -190,54 +229,48 @@ def resolve(
             f"use train.precision=bf16, or parallel.strategy=ddp parallel.tp=1"
         )
 
+
+def _compression(compression: Compression, device: str, ddp_reduces: bool, notes: list[str]) -> Compression:
+    """The gradient compression that runs, with a note where the requested one is skipped."""
     if compression == Compression.bf16 and device == "cpu":
         notes.append("bf16 gradient compression skipped: it needs the NCCL backend, CPU ranks use gloo")
-        compression = Compression.none
+        return Compression.none
     if compression == Compression.powersgd and not ddp_reduces:
         notes.append("powersgd compression skipped: it is a DDP comm hook and FSDP2 reduce-scatters sharded "
                      "gradients, which a low-rank all-reduce cannot express")
-        compression = Compression.none
-    warmup = powersgd_warmup(max_steps) if compression == Compression.powersgd else 0
-    if pipeline is not None and wrapping in (Strategy.zero3, Strategy.hsdp):
-        notes.append(f"{strategy} with pp={mesh.pp} keeps gathered weights through the step (no reshard after "
-                     f"forward): each of the {pipeline.microbatches} micro-batches would otherwise all-gather them")
+        return Compression.none
+    return compression
 
-    reduce_every = accum_sync == AccumSync.per_micro_step
-    if reduce_every and ddp_reduces:
+
+def _reduce_every(accum_sync: AccumSync, wrapping: Strategy, ddp_reduces: bool, pipeline: Pipeline | None,
+                  notes: list[str]) -> bool:
+    """Whether every micro-step reduces gradients, with a note where a request for it runs as
+    `last_micro_step`."""
+    if accum_sync != AccumSync.per_micro_step:
+        return False
+    if ddp_reduces:
         notes.append(f"gradients reduced on the last micro-step only, not every one: {wrapping} keeps whole "
                      "gradients between micro-steps either way, so reducing each would only add traffic")
-        reduce_every = False
-    elif reduce_every and pipeline is not None:
+        return False
+    if pipeline is not None:
         notes.append(f"gradients reduced after the last micro-batch only, not every one: torch's pipeline stages "
                      f"keep gradient sync off until the last of the {pipeline.microbatches} micro-batches")
-        reduce_every = False
+        return False
+    return True
 
-    why_flat = ""
+
+def _flat_reason(strategy: Strategy, wrapping: Strategy, tp: int, ddp_reduces: bool, compression: Compression) -> str:
+    """Why the gradients' all-reduce can only run flat ('' where a hierarchical one can run)."""
     if not ddp_reduces:
-        why_flat = ("hsdp's mesh already is the hierarchy (shards inside, replicas across) and FSDP2 has no comm hook "
-                    "for its replica all-reduce" if wrapping == Strategy.hsdp
-                    else f"{strategy}" + (f" with tp={tp}" if tp > 1 else "")
-                    + " reduces gradients through FSDP2, which has no comm hook")
-    elif wrapping == Strategy.zero1:
-        why_flat = "zero1 reduce-scatters and all-gathers in flat rings"
-    elif compression == Compression.powersgd:
-        why_flat = "powersgd compression is its own all-reduce scheme"
-    if why_flat and algorithm != SyncAlgorithm.flat:
-        if algorithm == SyncAlgorithm.hierarchical:
-            notes.append(f"hierarchical all-reduce runs flat: {why_flat}")
-        algorithm = SyncAlgorithm.flat
-
-    return Execution(
-        strategy=strategy, mesh=mesh, device=device, wrapping=wrapping, shard_group=shard_group,
-        ddp_reduces=ddp_reduces,
-        zero_optimizer=wrapping == Strategy.zero1,
-        reshard_after_forward=wrapping in (Strategy.zero3, Strategy.hsdp) and pipeline is None,
-        fsdp_replicates=not ddp_reduces and strategy in (Strategy.ddp, Strategy.hsdp),
-        autocast=autocast, param_dtype=autocast or Precision.fp32, loss_scaling=loss_scaling,
-        sync_algorithm=algorithm, compression=compression, compression_warmup_steps=warmup,
-        recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes), pipeline=pipeline,
-        reduce_every_micro_step=reduce_every,
-    )
+        return ("hsdp's mesh already is the hierarchy (shards inside, replicas across) and FSDP2 has no comm hook "
+                "for its replica all-reduce" if wrapping == Strategy.hsdp
+                else f"{strategy}" + (f" with tp={tp}" if tp > 1 else "")
+                + " reduces gradients through FSDP2, which has no comm hook")
+    if wrapping == Strategy.zero1:
+        return "zero1 reduce-scatters and all-gathers in flat rings"
+    if compression == Compression.powersgd:
+        return "powersgd compression is its own all-reduce scheme"
+    return ""
 
 
 def on_device(ex: Execution, device: str, precision: Precision | str, requested: Compression | str,

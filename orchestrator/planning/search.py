@@ -112,12 +112,13 @@ class SearchResult:
 _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
 
 
-def _simplicity(e: Estimate) -> tuple:
-    c = e.choice
+def _simplicity(priced: Estimate) -> tuple:
+    choice = priced.choice
     # A pipeline is the bigger step away from plain data parallelism: among near ties, fewer stages
     # first; and reducing once per step (less traffic) before reducing every micro-step.
-    return (c.mesh.pp, c.virtual, _SIMPLICITY[c.strategy], c.mesh.tp, RECOMPUTES.index(c.recompute),
-            c.compression != Compression.none, -c.micro_batch, c.accum_sync == AccumSync.per_micro_step)
+    return (choice.mesh.pp, choice.virtual, _SIMPLICITY[choice.strategy], choice.mesh.tp,
+            RECOMPUTES.index(choice.recompute),
+            choice.compression != Compression.none, -choice.micro_batch, choice.accum_sync == AccumSync.per_micro_step)
 
 
 def asks_for_ddp_hooks(cons: Constraints) -> bool:
@@ -141,7 +142,7 @@ def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints, splitta
                   and world // p >= g and world > g]
 
 
-def _meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
+def meshes_of(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
             layers: int = 1, splittable: bool = True) -> list[tuple[Mesh, str]]:
     """(mesh, why it cannot be used or '') for every mesh of a strategy."""
     out = []
@@ -216,110 +217,254 @@ def accum_syncs(strategy: Strategy, mesh: Mesh, accum: int, cons: Constraints) -
     return (AccumSync.last_micro_step, AccumSync.per_micro_step)
 
 
-def _fastest(cands: list[Estimate]) -> Estimate:
-    best_t = min(e.total_s for e in cands)
-    near = [e for e in cands if e.total_s <= best_t * (1 + NEAR_TIE)]
-    return min(near, key=lambda e: (_simplicity(e), e.total_s))
+def _fastest(estimates: list[Estimate]) -> Estimate:
+    best_s = min(priced.total_s for priced in estimates)
+    near = [priced for priced in estimates if priced.total_s <= best_s * (1 + NEAR_TIE)]
+    return min(near, key=lambda priced: (_simplicity(priced), priced.total_s))
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    """A strategy on a mesh: the unit the search prices, keeps the best choice of and compares."""
+
+    strategy: Strategy
+    mesh: Mesh
+    unusable: str = ""
+    """Why the mesh cannot be used at all under the constraints ('' where it can)."""
+
+
+@dataclass
+class SearchSpace:
+    """What the pruning rules and the per-mesh search read: the job, its constraints, the
+    cluster's wirings, and each mesh's layout once it is computed."""
+
+    ctx: JobContext
+    constraints: Constraints
+    wirings: Wirings
+    layouts: dict[Mesh, ClusterLayout] = field(default_factory=dict)
+    """Layouts computed so far, by mesh (one per mesh, whatever the strategy)."""
+    evaluated: int = 0
+    """Candidates whose memory and time were estimated so far (a mesh that turns out not to
+    run at all counts those it priced before)."""
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.wirings.devices_per_node
+
+    def layout(self, mesh: Mesh) -> ClusterLayout:
+        """`mesh` laid out on the cluster; ValueError where it cannot be."""
+        if mesh not in self.layouts:
+            self.layouts[mesh] = cluster_layout(self.wirings, mesh)
+        return self.layouts[mesh]
+
+    def per_rank(self, mesh: Mesh) -> int:
+        """Sequences per data-parallel rank and step."""
+        return self.ctx.global_batch // mesh.dp
+
+
+def mesh_candidates(space: SearchSpace, n_head: int) -> list[MeshCandidate]:
+    """Every (strategy, mesh) the constraints allow, those without a pipeline first: the
+    fastest of them bounds the pipelined ones."""
+    ctx, constraints = space.ctx, space.constraints
+    world = space.devices_per_node * len(space.wirings.node_index)
+    strategies = [constraints.strategy] if constraints.strategy else list(STRATEGIES)
+    splittable = ctx.shape.spec is None or ctx.shape.spec.pipeline_ends
+    candidates = [MeshCandidate(strategy, mesh, unusable) for strategy in strategies
+                  for mesh, unusable in meshes_of(strategy, world, space.devices_per_node, n_head, constraints,
+                                                  ctx.shape.layers, splittable)]
+    return sorted(candidates, key=lambda candidate: candidate.mesh.pp)
+
+
+# Pruning rules, in the order they are asked. Each returns why a candidate goes no further, or
+# None. A REPORTED rule's reason reaches the plan's alternatives (`Rejected`); a silent one drops
+# a candidate another one already stands for, or one that cannot win.
+
+
+def mesh_unusable(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    return candidate.unusable or None
+
+
+def pipeline_adds_nothing(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    if candidate.mesh.pp > 1 and space.constraints.strategy is None \
+            and candidate.strategy in (Strategy.zero1, Strategy.zero3):
+        return "with a pipeline zero3 runs as zero2 (see resolve), and zero1 adds nothing to it"
+    return None
+
+
+def pipeline_shards_across_nodes(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    mesh = candidate.mesh
+    if mesh.pp > 1 and candidate.strategy == Strategy.hsdp and space.constraints.dp_shard is None \
+            and mesh.dp_shard != space.devices_per_node // mesh.tp:
+        return "a pipeline's HSDP shards inside a node; larger groups are zero2's territory"
+    return None
+
+
+def pipeline_cannot_win(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    ctx, mesh = space.ctx, candidate.mesh
+    if mesh.pp > 1 and ctx.global_batch % mesh.dp == 0 and min(
+            compute_floor(ctx, mesh, micro_batch) for micro_batch in divisors(space.per_rank(mesh))) \
+            > fastest_s * (1 + NEAR_TIE):
+        return "its matmuls and bubble alone, at their best, take longer than a plan already found"
+    return None
+
+
+def batch_does_not_divide(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    dp, batch = candidate.mesh.dp, space.ctx.global_batch
+    if batch % dp:
+        return f"train.global_batch_size={batch} is not a multiple of the data-parallel size {dp}"
+    return None
+
+
+def cannot_lay_out(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    try:
+        space.layout(candidate.mesh)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def micro_batch_does_not_divide(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    micro_batch, per_rank = space.constraints.micro_batch, space.per_rank(candidate.mesh)
+    if micro_batch is not None and per_rank % micro_batch:
+        allowed = ", ".join(map(str, divisors(per_rank)))
+        return (f"train.micro_batch_size={micro_batch} does not divide the {per_rank} sequences per "
+                f"data-parallel rank (train.global_batch_size={space.ctx.global_batch} / {candidate.mesh.dp}); "
+                f"allowed: {allowed}")
+    return None
+
+
+def pp_microbatches_do_not_divide(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    microbatches, per_rank = space.constraints.pp_microbatches, space.per_rank(candidate.mesh)
+    if microbatches and per_rank % microbatches:
+        return (f"parallel.pp_microbatches={microbatches} does not divide the {per_rank} sequences per "
+                "data-parallel rank")
+    return None
+
+
+PRUNING_RULES = ((mesh_unusable, True), (pipeline_adds_nothing, False), (pipeline_shards_across_nodes, False),
+                 (pipeline_cannot_win, False), (batch_does_not_divide, True), (cannot_lay_out, True),
+                 (micro_batch_does_not_divide, True), (pp_microbatches_do_not_divide, True))
+"""(rule, whether its reason is reported), in the order they are asked."""
+
+
+def pruned(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> tuple[str, bool] | None:
+    """The first rule's reason to go no further with `candidate`, and whether it is reported."""
+    for rule, reported in PRUNING_RULES:
+        reason = rule(space, candidate, fastest_s)
+        if reason is not None:
+            return reason, reported
+    return None
+
+
+def micro_batches(space: SearchSpace, mesh: Mesh) -> list[int]:
+    """The micro-batch sizes worth pricing on `mesh`: the forced one, else every divisor of a
+    rank's sequences; those giving the forced number of pipeline micro-batches; with a pipeline
+    (but GPipe's, whose bubble does not shrink so) at least as many micro-batches as stages."""
+    constraints, per_rank = space.constraints, space.per_rank(mesh)
+    sizes = [constraints.micro_batch] if constraints.micro_batch else divisors(per_rank)
+    if constraints.pp_microbatches:
+        sizes = [size for size in sizes if per_rank // size == constraints.pp_microbatches]
+    if mesh.pp > 1 and not constraints.pp_microbatches and constraints.pp_schedule != PipelineSchedule.gpipe:
+        sizes = [size for size in sizes if per_rank // size >= mesh.pp] or sizes
+    return sizes
+
+
+def choices_for(space: SearchSpace, candidate: MeshCandidate, micro_batch: int, recompute: Recompute) -> list[Choice]:
+    """Every schedule and accumulation sync of one micro-batch size and recomputation."""
+    constraints, mesh = space.constraints, candidate.mesh
+    micro_steps, layers = space.per_rank(mesh) // micro_batch, space.ctx.shape.layers
+    return [Choice(candidate.strategy, mesh, micro_batch, recompute, constraints.compression or Compression.none,
+                   constraints.algorithm, constraints.bucket_mb, schedule, virtual, accum_sync)
+            for schedule, virtual in schedules_for(mesh.pp, micro_steps, constraints.pp_schedule, layers)
+            for accum_sync in accum_syncs(candidate.strategy, mesh, micro_steps, constraints)]
+
+
+@dataclass
+class MeshBest:
+    """The best estimate of one (strategy, mesh): the fastest that fits, else the smallest."""
+
+    estimate: Estimate
+    fits: bool
+    layout: ClusterLayout
+    fastest_fitting_s: float = math.inf
+    """The fastest fitting estimate's step (before compression is tried)."""
+
+
+def best_on_mesh(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> MeshBest | None:
+    """The best choice of `candidate` (None where none was estimated); Unsupported where it
+    cannot run at all."""
+    ctx, mesh, layout = space.ctx, candidate.mesh, space.layout(candidate.mesh)
+    recomputes = [space.constraints.recompute] if space.constraints.recompute else list(RECOMPUTES)
+    fitting, closest = [], None
+    fitted: set[int] = set()
+    for recompute in recomputes:
+        for micro_batch in micro_batches(space, mesh):
+            if mesh.pp > 1 and (micro_batch in fitted
+                                or compute_floor(ctx, mesh, micro_batch, recompute) > fastest_s * (1 + NEAR_TIE)):
+                continue  # less recomputation already fits (and is faster), or it cannot win
+            for choice in choices_for(space, candidate, micro_batch, recompute):
+                priced = estimate(ctx, layout, choice)
+                space.evaluated += 1
+                if priced.fits(ctx.usable_bytes):
+                    fitting.append(priced)
+                    fitted.add(micro_batch)
+                elif closest is None or priced.memory.total < closest.memory.total:
+                    closest = priced
+    if not fitting:
+        return None if closest is None else MeshBest(closest, False, layout)
+    best = with_compression(space, candidate, _fastest(fitting))
+    return MeshBest(best, True, layout, min(e.total_s for e in fitting))
+
+
+def with_compression(space: SearchSpace, candidate: MeshCandidate, best: Estimate) -> Estimate:
+    """`best`, or a lossy-compressed variant of it that fits and is faster, where compression
+    is allowed and left to the search and `best` is bound by its communication."""
+    ctx, constraints = space.ctx, space.constraints
+    if not (constraints.compression is None and ctx.on_gpu and constraints.allow_compression
+            and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s):
+        return best
+    layout = space.layout(candidate.mesh)
+    tries = [estimate(ctx, layout, replace(best.choice, compression=compression))
+             for compression in _compressions(candidate.strategy, candidate.mesh.tp, ctx)]
+    space.evaluated += len(tries)
+    return min([best] + [variant for variant in tries if variant.fits(ctx.usable_bytes)],
+               key=lambda priced: priced.total_s)
 
 
 def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) -> SearchResult:
     """Best plan under the constraints (best=None when no candidate could be estimated)."""
-    world = wirings.devices_per_node * len(wirings.node_index)
-    strategies = [cons.strategy] if cons.strategy else list(STRATEGIES)
-    recomputes = [cons.recompute] if cons.recompute else list(RECOMPUTES)
-    per_mesh: list[tuple[Estimate, bool, ClusterLayout]] = []
+    space = SearchSpace(ctx, cons, wirings)
+    per_mesh: list[MeshBest] = []
     rejected: list[Rejected] = []
-    layouts: dict[Mesh, ClusterLayout] = {}
-    evaluated = 0
-    fastest = math.inf
-    # Every plan without a pipeline first: the fastest of them bounds the pipelined ones.
-    cands = [(strategy, mesh, bad) for strategy in strategies
-             for mesh, bad in _meshes(strategy, world, wirings.devices_per_node, n_head, cons, ctx.shape.layers,
-                                      ctx.shape.spec is None or ctx.shape.spec.pipeline_ends)]
-    cands.sort(key=lambda x: x[1].pp)
-    for strategy, mesh, bad in cands:
-        if bad:
-            rejected.append(Rejected(strategy, mesh, bad))
+    fastest_s = math.inf
+    for candidate in mesh_candidates(space, n_head):
+        reason = pruned(space, candidate, fastest_s)
+        if reason is not None:
+            if reason[1]:
+                rejected.append(Rejected(candidate.strategy, candidate.mesh, reason[0]))
             continue
-        if mesh.pp > 1 and cons.strategy is None and strategy in (Strategy.zero1, Strategy.zero3):
-            continue  # with a pipeline zero3 runs as zero2 (see resolve), and zero1 adds nothing to it
-        if mesh.pp > 1 and strategy == Strategy.hsdp and cons.dp_shard is None \
-                and mesh.dp_shard != wirings.devices_per_node // mesh.tp:
-            continue  # a pipeline's HSDP shards inside a node; larger groups are zero2's territory
-        if mesh.pp > 1 and ctx.global_batch % mesh.dp == 0 and min(
-                compute_floor(ctx, mesh, mb) for mb in divisors(ctx.global_batch // mesh.dp)) \
-                > fastest * (1 + NEAR_TIE):
-            continue  # its matmuls and bubble alone, at their best, take longer than a plan already found
-        dp = mesh.dp
-        if ctx.global_batch % dp:
-            why = f"train.global_batch_size={ctx.global_batch} is not a multiple of the data-parallel size {dp}"
-            rejected.append(Rejected(strategy, mesh, why))
-            continue
-        if mesh not in layouts:
-            try:
-                layouts[mesh] = cluster_layout(wirings, mesh)
-            except ValueError as e:
-                rejected.append(Rejected(strategy, mesh, str(e)))
-                continue
-        cl = layouts[mesh]
-        per_rank = ctx.global_batch // dp
-        if cons.micro_batch is not None and per_rank % cons.micro_batch:
-            ok = ", ".join(map(str, divisors(per_rank)))
-            why = (f"train.micro_batch_size={cons.micro_batch} does not divide the {per_rank} sequences per "
-                   f"data-parallel rank (train.global_batch_size={ctx.global_batch} / {dp}); allowed: {ok}")
-            rejected.append(Rejected(strategy, mesh, why))
-            continue
-        mbs = [cons.micro_batch] if cons.micro_batch else divisors(per_rank)
-        if cons.pp_microbatches:
-            if per_rank % cons.pp_microbatches:
-                rejected.append(Rejected(strategy, mesh, f"parallel.pp_microbatches={cons.pp_microbatches} does "
-                                                         f"not divide the {per_rank} sequences per data-parallel rank"))
-                continue
-            mbs = [mb for mb in mbs if per_rank // mb == cons.pp_microbatches]
-        if mesh.pp > 1 and not cons.pp_microbatches and cons.pp_schedule != PipelineSchedule.gpipe:
-            mbs = [mb for mb in mbs if per_rank // mb >= mesh.pp] or mbs
-        fitting, closest = [], None
-        fitted: set[int] = set()
         try:
-            for rc in recomputes:
-                for mb in mbs:
-                    if mesh.pp > 1 and (mb in fitted or compute_floor(ctx, mesh, mb, rc) > fastest * (1 + NEAR_TIE)):
-                        continue  # less recomputation already fits (and is faster), or it cannot win
-                    for sched, v in schedules_for(mesh.pp, per_rank // mb, cons.pp_schedule, ctx.shape.layers):
-                        for acc in accum_syncs(strategy, mesh, per_rank // mb, cons):
-                            ch = Choice(strategy, mesh, mb, rc, cons.compression or Compression.none, cons.algorithm,
-                                        cons.bucket_mb, sched, v, acc)
-                            e = estimate(ctx, cl, ch)
-                            evaluated += 1
-                            if e.fits(ctx.usable_bytes):
-                                fitting.append(e)
-                                fitted.add(mb)
-                            elif closest is None or e.memory.total < closest.memory.total:
-                                closest = e
-        except Unsupported as e:
-            rejected.append(Rejected(strategy, mesh, str(e)))
+            best = best_on_mesh(space, candidate, fastest_s)
+        except Unsupported as error:
+            rejected.append(Rejected(candidate.strategy, candidate.mesh, str(error)))
             continue
-        if fitting:
-            best = _fastest(fitting)
-            fastest = min(fastest, min(e.total_s for e in fitting))
-            if cons.compression is None and ctx.on_gpu and cons.allow_compression \
-                    and best.exposed_comm_s > COMM_BOUND_FRACTION * best.compute_s:
-                tries = [estimate(ctx, cl, replace(best.choice, compression=comp))
-                         for comp in _compressions(strategy, mesh.tp, ctx)]
-                evaluated += len(tries)
-                best = min([best] + [t for t in tries if t.fits(ctx.usable_bytes)], key=lambda e: e.total_s)
-            per_mesh.append((best, True, cl))
-        elif closest is not None:
-            per_mesh.append((closest, False, cl))
+        if best is not None:
+            per_mesh.append(best)
+            fastest_s = min(fastest_s, best.fastest_fitting_s)
+    return _result(per_mesh, rejected, space.evaluated)
+
+
+def _result(per_mesh: list[MeshBest], rejected: list[Rejected], evaluated: int) -> SearchResult:
+    """The fastest fitting mesh's best (the most frugal one where none fits), beside the others."""
     if not per_mesh:
         return SearchResult(best=None, layout=None, fits=False, rejected=rejected, evaluated=evaluated)
-    fit = [x for x in per_mesh if x[1]]
-    if fit:
-        best = _fastest([e for e, _, _ in fit])
-        chosen = next(x for x in fit if x[0] is best)
+    fitting = [best for best in per_mesh if best.fits]
+    if fitting:
+        fastest = _fastest([best.estimate for best in fitting])
+        chosen = next(best for best in fitting if best.estimate is fastest)
     else:
-        chosen = min(per_mesh, key=lambda x: x[0].memory.total)
-    others = [x for x in per_mesh if x is not chosen]
-    others.sort(key=lambda x: (not x[1], x[0].total_s if x[1] else x[0].memory.total))
-    return SearchResult(best=chosen[0], layout=chosen[2], fits=chosen[1],
-                        runners_up=[e for e, _, _ in others], rejected=rejected, evaluated=evaluated)
+        chosen = min(per_mesh, key=lambda best: best.estimate.memory.total)
+    others = [best for best in per_mesh if best is not chosen]
+    others.sort(key=lambda best: (not best.fits, best.estimate.total_s if best.fits else best.estimate.memory.total))
+    return SearchResult(best=chosen.estimate, layout=chosen.layout, fits=chosen.fits,
+                        runners_up=[best.estimate for best in others], rejected=rejected, evaluated=evaluated)

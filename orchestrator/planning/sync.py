@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ..choices import AccumSync, Compression, SyncAlgorithm
+from ..serialize import from_plain, to_plain
 from .comm import LAUNCH_S, bus_factor
 from .model_math import ModelShape
 
@@ -47,16 +48,11 @@ class SyncPlan:
     plan records `last_micro_step`; so do plans written before the choice existed, which ran so."""
 
     def to_dict(self) -> dict:
-        return {"bucket_mb": self.bucket_mb, "algorithm": str(self.algorithm), "compression": str(self.compression),
-                "grad_accum_steps": self.grad_accum_steps, "overlap": self.overlap,
-                "accum_sync": str(self.accum_sync)}
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "SyncPlan":
-        return cls(bucket_mb=float(d["bucket_mb"]), algorithm=SyncAlgorithm(d["algorithm"]),
-                   compression=Compression(d["compression"]), grad_accum_steps=int(d["grad_accum_steps"]),
-                   overlap=bool(d.get("overlap", True)),
-                   accum_sync=AccumSync(d.get("accum_sync", AccumSync.last_micro_step)))
+        return from_plain(cls, d)
 
 
 def auto_bucket_mb(grad_bytes: float, p: int, bw_gbps: float, lat_us: float) -> float:

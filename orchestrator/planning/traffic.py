@@ -13,9 +13,10 @@ tensor). Axes are the mesh's names; `dp` is the flattened dp_replicate x dp_shar
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..choices import Strategy
+from ..serialize import to_plain
 from .cost import JobContext, ties_head, tp_all_reduces_per_micro_batch
 from .memory import params_per_tp_rank
 from .model_math import root_params
@@ -38,7 +39,7 @@ class Traffic:
     """Bytes per step, by the module's convention."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return to_plain(self)
 
 
 def dp_axis(plan: Plan) -> str:
@@ -53,68 +54,89 @@ def stage_of(plan: Plan, rank: int) -> int:
     return rank // (plan.world_size // plan.mesh.pp)
 
 
-def predicted_traffic(ctx: JobContext, plan: Plan, rank: int = 0) -> tuple[Traffic, ...]:
-    """What the cost model has global `rank` send in one step of `plan`, by (op, axis)."""
-    shape, lay, ex = ctx.shape, ctx.layout, plan.execution
-    mesh, pl = plan.mesh, ex.pipeline
-    tp = mesh.tp
-    accum = plan.sync.grad_accum_steps
-    stage = stage_of(plan, rank)
-    share = stage_share(shape, pl, stage) if pl else None
-    p_whole = params_per_tp_rank(shape, tp)
-    per_block = (p_whole - root_params(shape)) / shape.layers
-    p_rank = share.blocks * per_block + share.root if share else p_whole
-    blocks = share.blocks if share else shape.layers
-    act = plan.micro_batch_size * shape.seq * shape.hidden * lay.activation
-    out: dict[tuple[str, str], list[float]] = {}
+class _Tally:
+    """Calls and bytes per (op, axis), summed as the step issues them."""
 
-    def add(op: str, axis: str, count: float, nbytes: float) -> None:
+    def __init__(self) -> None:
+        self.totals: dict[tuple[str, str], list[float]] = {}
+
+    def add(self, op: str, axis: str, count: float, nbytes: float) -> None:
         if count <= 0:
             return
-        entry = out.setdefault((op, axis), [0, 0.0])
+        entry = self.totals.setdefault((op, axis), [0, 0.0])
         entry[0] += count
         entry[1] += nbytes
 
-    if tp > 1:
-        calls = accum * blocks * tp_all_reduces_per_micro_batch(shape, plan.recompute)
-        add("all_reduce", "tp", calls, calls * act)
-    if pl:
-        # Each micro-batch crosses every chunk boundary: forward its activation, backward its
-        # gradient, each a send on one side and a receive on the other.
-        last = pl.chunks - 1
-        for c in pl.chunks_of(stage):
-            if c < last:
-                add("send", "pp", pl.microbatches, pl.microbatches * act)  # activation forward
-                add("recv", "pp", pl.microbatches, pl.microbatches * act)  # its gradient back
-            if c > 0:
-                add("recv", "pp", pl.microbatches, pl.microbatches * act)
-                add("send", "pp", pl.microbatches, pl.microbatches * act)
-        if ties_head(shape) and stage in (0, pl.stages - 1) and pl.stages > 1:
-            tied = shape.vocab * shape.hidden * lay.grads / ex.shard_group
-            add("send", "pp", 1, tied)
-            add("recv", "pp", 1, tied)
+    def traffic(self) -> tuple[Traffic, ...]:
+        return tuple(Traffic(op, axis, int(count), int(round(nbytes)))
+                     for (op, axis), (count, nbytes) in sorted(self.totals.items()))
 
-    grad_wire = wire_bytes_per_grad(ex.compression, lay.grads, ctx.powersgd_ratio,
-                                    ex.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
-    grad_bytes = p_rank * grad_wire
-    syncs = accum if getattr(ex, "reduce_every_micro_step", False) else 1
-    if ex.ddp_reduces:
+
+def predicted_traffic(ctx: JobContext, plan: Plan, rank: int = 0) -> tuple[Traffic, ...]:
+    """What the cost model has global `rank` send in one step of `plan`, by (op, axis)."""
+    shape, pipeline = ctx.shape, plan.execution.pipeline
+    stage = stage_of(plan, rank)
+    share = stage_share(shape, pipeline, stage) if pipeline else None
+    whole = params_per_tp_rank(shape, plan.mesh.tp)
+    per_block = (whole - root_params(shape)) / shape.layers
+    params_per_rank = share.blocks * per_block + share.root if share else whole
+    blocks = share.blocks if share else shape.layers
+    tally = _Tally()
+    _model_parallel_traffic(tally, ctx, plan, stage, blocks)
+    _gradient_traffic(tally, ctx, plan, params_per_rank, blocks)
+    return tally.traffic()
+
+
+def _model_parallel_traffic(tally: _Tally, ctx: JobContext, plan: Plan, stage: int, blocks: int) -> None:
+    """The tensor-parallel all-reduces and the pipeline's point-to-point sends of `stage`."""
+    shape, pipeline = ctx.shape, plan.execution.pipeline
+    activation = plan.micro_batch_size * shape.seq * shape.hidden * ctx.layout.activation
+    if plan.mesh.tp > 1:
+        calls = plan.sync.grad_accum_steps * blocks * tp_all_reduces_per_micro_batch(shape, plan.recompute)
+        tally.add("all_reduce", "tp", calls, calls * activation)
+    if not pipeline:
+        return
+    # Each micro-batch crosses every chunk boundary: forward its activation, backward its
+    # gradient, each a send on one side and a receive on the other.
+    last, microbatches = pipeline.chunks - 1, pipeline.microbatches
+    for chunk in pipeline.chunks_of(stage):
+        if chunk < last:
+            tally.add("send", "pp", microbatches, microbatches * activation)  # activation forward
+            tally.add("recv", "pp", microbatches, microbatches * activation)  # its gradient back
+        if chunk > 0:
+            tally.add("recv", "pp", microbatches, microbatches * activation)
+            tally.add("send", "pp", microbatches, microbatches * activation)
+    if ties_head(shape) and stage in (0, pipeline.stages - 1) and pipeline.stages > 1:
+        tied = shape.vocab * shape.hidden * ctx.layout.grads / plan.execution.shard_group
+        tally.add("send", "pp", 1, tied)
+        tally.add("recv", "pp", 1, tied)
+
+
+def _gradient_traffic(tally: _Tally, ctx: JobContext, plan: Plan, params_per_rank: float, blocks: int) -> None:
+    """The data-parallel gradient sync: DDP's bucketed all-reduce (and ZeRO-1's broadcasts), or
+    FSDP2's per-unit gathers and reduce-scatters (and HSDP's replica all-reduce)."""
+    runs, mesh, layout = plan.execution, plan.mesh, ctx.layout
+    accum = plan.sync.grad_accum_steps
+    grad_wire = wire_bytes_per_grad(runs.compression, layout.grads, ctx.powersgd_ratio,
+                                    runs.compression_warmup_steps / ctx.max_steps if ctx.max_steps else 0.0)
+    grad_bytes = params_per_rank * grad_wire
+    syncs = accum if getattr(runs, "reduce_every_micro_step", False) else 1
+    if runs.ddp_reduces:
         axis = dp_axis(plan)
         if mesh.dp > 1:
             buckets = max(1, math.ceil(grad_bytes / (plan.sync.bucket_mb * MB)))
-            add("all_reduce", axis, syncs * buckets, syncs * grad_bytes)
-            if ex.wrapping == Strategy.zero1:
+            tally.add("all_reduce", axis, syncs * buckets, syncs * grad_bytes)
+            if runs.wrapping == Strategy.zero1:
                 # ZeroRedundancyOptimizer: each rank broadcasts its partition, one bucket.
-                add("broadcast", axis, mesh.dp, p_rank * lay.weights)
-    else:
-        axis = "dp_shard" if ex.fsdp_replicates else dp_axis(plan)
-        units = blocks + 1  # FSDP2 unit per block, and the root's own parameters
-        if ex.shard_group > 1:
-            gather = p_rank * lay.compute
-            gathers = 1 if not ex.reshard_after_forward else 2 * accum
-            add("all_gather", axis, gathers * units, gathers * gather)
-            add("reduce_scatter", axis, syncs * units, syncs * grad_bytes)
-        if ex.fsdp_replicates and mesh.dp_replicate > 1:
-            add("all_reduce", "dp_replicate", syncs * units, syncs * grad_bytes / ex.shard_group)
-    return tuple(Traffic(op, axis, int(n), int(round(b))) for (op, axis), (n, b) in sorted(out.items()))
+                tally.add("broadcast", axis, mesh.dp, params_per_rank * layout.weights)
+        return
+    axis = "dp_shard" if runs.fsdp_replicates else dp_axis(plan)
+    units = blocks + 1  # FSDP2 unit per block, and the root's own parameters
+    if runs.shard_group > 1:
+        gather = params_per_rank * layout.compute
+        gathers = 1 if not runs.reshard_after_forward else 2 * accum
+        tally.add("all_gather", axis, gathers * units, gathers * gather)
+        tally.add("reduce_scatter", axis, syncs * units, syncs * grad_bytes)
+    if runs.fsdp_replicates and mesh.dp_replicate > 1:
+        tally.add("all_reduce", "dp_replicate", syncs * units, syncs * grad_bytes / runs.shard_group)
 

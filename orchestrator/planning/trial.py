@@ -19,8 +19,9 @@ from ..config import JobConfig
 from ..errors import PlanError
 from ..topology.model import ClusterTopology
 from .calibration import UNCALIBRATED, Calibration
+from .flow import plan_job
 from .model_spec import ModelSpec
-from .plan import Alternative, Plan, StepTime, plan_job
+from .plan import Alternative, Plan, StepTime
 
 COMPUTE_ERROR = 0.26
 """Relative error of a predicted compute time: the GPT rows' mean absolute error of

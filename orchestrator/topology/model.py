@@ -9,9 +9,10 @@ nccl-tests' bus bandwidth), latencies microseconds.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from ..serialize import from_plain, to_plain
 from .bandwidth import NETWORK_DEFAULT, estimate
 
 # Link kinds, fastest first. The PCIe kinds are the path names of `nvidia-smi topo -m`:
@@ -173,38 +174,12 @@ class NodeTopology:
             raise ValueError(f"every pair of devices needs one link; missing {missing}, unknown {extra}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "hostname": self.hostname,
-            "node_id": self.node_id,
-            "source": self.source,
-            "devices": [asdict(d) for d in self.devices],
-            "links": [asdict(l) for l in sorted(self.links, key=lambda l: (l.a, l.b))],
-            "nics": [{**asdict(n), "gpu_paths": {str(k): v for k, v in n.gpu_paths.items()}} for n in self.nics],
-            "nvlink_domains": self.nvlink_domains,
-            "numa_nodes": self.numa_nodes,
-            "warnings": self.warnings,
-            "ray_gpus": self.ray_gpus,
-        }
+        # Links in pair order, whatever order a probe appended them in.
+        return {**to_plain(self), "links": to_plain(sorted(self.links, key=lambda link: (link.a, link.b)))}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "NodeTopology":
-        nics = []
-        for n in d.get("nics", []):
-            n = dict(n)
-            n["gpu_paths"] = {int(k): v for k, v in n.get("gpu_paths", {}).items()}
-            nics.append(Nic(**n))
-        return cls(
-            hostname=d.get("hostname", ""),
-            node_id=d.get("node_id"),
-            source=d.get("source", ""),
-            devices=[Device(**x) for x in d.get("devices", [])],
-            links=[Link(**x) for x in d.get("links", [])],
-            nics=nics,
-            nvlink_domains=[list(g) for g in d.get("nvlink_domains", [])],
-            numa_nodes=list(d.get("numa_nodes", [])),
-            warnings=list(d.get("warnings", [])),
-            ray_gpus=d.get("ray_gpus"),
-        )
+        return from_plain(cls, d)
 
 
 @dataclass
@@ -260,17 +235,14 @@ class ClusterTopology:
         return ClusterTopology(nodes=nodes, network=self.network)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"nodes": [n.to_dict() for n in self.nodes], "network": asdict(self.network)}
+        return {"nodes": [n.to_dict() for n in self.nodes], "network": to_plain(self.network)}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ClusterTopology":
-        return cls(
-            nodes=[NodeTopology.from_dict(n) for n in d.get("nodes", [])],
-            network=Network(**d.get("network", {})),
-        )
+        return from_plain(cls, d)
 
     @classmethod
     def from_json(cls, text: str) -> "ClusterTopology":

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ..serialize import to_plain
 from .model import Link, NodeTopology
 
 _NEAR = ("pix", "pxb")
@@ -49,7 +50,7 @@ class Finding:
     text: str
 
     def to_dict(self) -> dict[str, str]:
-        return {"level": self.level, "text": self.text}
+        return to_plain(self)
 
 
 def _lanes(node: NodeTopology) -> dict[int, int]:
