@@ -57,3 +57,15 @@ def test_a_plan_whose_stated_strategy_disagrees_with_its_execution_does_not_load
     stored["strategy"] = "zero3"
     with pytest.raises(ValueError, match="plan.json says zero3 .* its execution runs hsdp"):
         Plan.from_dict(stored)
+
+
+def test_a_runs_plan_json_reads_as_its_plan_whatever_the_run_added_beside_it():
+    # A run's plan.json carries its trial section, `plan --json --rehearse` a rehearsal: the
+    # report and a resume read the plan out of both.
+    import json
+
+    from orchestrator.planning.plan import Plan
+
+    written = json.loads((PLANS / "cpu-2x4.json").read_text())
+    plan = Plan.from_dict(written)
+    assert Plan.from_dict({**written, "trial": {"ran": False}, "rehearsal": {}}) == plan

@@ -196,3 +196,20 @@ def test_a_small_cluster_trains_on_what_it_holds(small):
     assert rows[-1]["step"] == 4
     placement = json.loads((run / "placement.json").read_text())
     assert len(placement) == 2 and all(not p.get("gpu_ids") for p in placement)
+
+
+def test_a_placement_that_waits_for_other_work_says_what_it_waits_for(monkeypatch):
+    from orchestrator.control import placement
+
+    answers = iter([([], ["pg"]), ([], ["pg"]), (["pg"], [])])  # free after two slices
+    monkeypatch.setattr(placement.ray, "wait", lambda refs, timeout: next(answers))
+    monkeypatch.setattr(placement, "_missing", lambda bundles, selectors: "node aaaa needs CPU 2 (has 1 free)")
+
+    class Group:
+        def ready(self):
+            return "pg"
+
+    said: list[str] = []
+    placement._wait_ready(Group(), [{"CPU": 1.0}] * 2, None, 120, said.append)
+    assert len(said) == 2 and all("for other work to free: node aaaa needs CPU 2 (has 1 free)" in s for s in said)
+    assert said[0].startswith("waiting ") and "of 120 s (cluster.placement_timeout_s)" in said[0]

@@ -222,12 +222,12 @@ class JobDriver:
         the workers started early where the plan runs on exactly their devices."""
         cfg, attempt = self.job.config, self.attempt
         plan = attempt.plan
-        with self.view.status(f"placing {plan.world_size} workers"):
-            claimed = (claim(attempt.early, plan, attempt.use_gpu, cfg.cluster.placement_timeout_s)
+        with self.view.status(f"placing {plan.world_size} workers") as waiting:
+            claimed = (claim(attempt.early, plan, attempt.use_gpu, cfg.cluster.placement_timeout_s, waiting)
                        if attempt.early is not None else None)
             attempt.placement = claimed or place(
                 plan, job=cfg.name, use_gpu=attempt.use_gpu, cpus_per_worker=cfg.cluster.cpus_per_worker,
-                threads_per_worker=_threads(cfg), timeout_s=cfg.cluster.placement_timeout_s,
+                threads_per_worker=_threads(cfg), timeout_s=cfg.cluster.placement_timeout_s, on_wait=waiting,
             )
         for name, seconds in attempt.placement.timings.items():
             self._phase(name, seconds)

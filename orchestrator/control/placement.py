@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,8 +249,11 @@ def place(
     threads_per_worker: int,
     timeout_s: float,
     pin_nodes: bool = True,
+    on_wait: Callable[[str], None] | None = None,
 ) -> Placement:
-    """Reserve the plan's devices and start one worker actor per rank, in rank order."""
+    """Reserve the plan's devices and start one worker actor per rank, in rank order. What no
+    wait can change fails at once (`never_fits`); a wait for resources other work holds is said
+    to `on_wait`."""
     labels = {n["NodeID"]: dict(n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")}
     bundles, selectors = _bundles(plan, use_gpu, cpus_per_worker, pin_nodes, labels)
     impossible = never_fits(bundles, selectors, ray.nodes())
@@ -257,7 +261,7 @@ def place(
         raise PlacementError(f"the cluster can never hold the plan's {len(bundles)} workers: {impossible}")
     t_group = time.monotonic()
     pg = placement_group(bundles, strategy="PACK", name=f"{job}/workers", bundle_label_selector=selectors)
-    _wait_ready(pg, bundles, selectors, timeout_s)
+    _wait_ready(pg, bundles, selectors, timeout_s, on_wait)
 
     ranks = plan.ranks
     bundle_of_rank = list(range(len(ranks)))
@@ -293,9 +297,21 @@ def place(
     return placement
 
 
-def _wait_ready(pg, bundles: list[dict], selectors: list[dict] | None, timeout_s: float) -> None:
-    """Wait for the group's bundles; PlacementError saying what the cluster lacks after `timeout_s`."""
-    done, _ = ray.wait([pg.ready()], timeout=timeout_s)
+WAIT_SAID_EVERY_S = 5.0
+"""While a placement waits for resources other work holds, what it waits for is said this often."""
+
+
+def _wait_ready(pg, bundles: list[dict], selectors: list[dict] | None, timeout_s: float,
+                on_wait: Callable[[str], None] | None = None) -> None:
+    """Wait for the group's bundles, saying to `on_wait` every WAIT_SAID_EVERY_S what the cluster
+    lacks while it waits; PlacementError saying what it lacks after `timeout_s`."""
+    ready, t0 = pg.ready(), time.monotonic()
+    done: list = []
+    while not done and (left := timeout_s - (time.monotonic() - t0)) > 0:
+        done, _ = ray.wait([ready], timeout=min(left, WAIT_SAID_EVERY_S))
+        if not done and on_wait is not None:
+            on_wait(f"waiting {time.monotonic() - t0:.0f} of {timeout_s:g} s (cluster.placement_timeout_s) for "
+                    f"other work to free: {_missing(bundles, selectors)}")
     if not done:
         msg = _missing(bundles, selectors)
         remove_placement_group(pg)
@@ -400,7 +416,8 @@ def start_early(*, job: str, num_workers: int, max_workers: int, cpus_per_worker
     return EarlyStart(placement, use_gpu, bundles, selectors, node_of_slot)
 
 
-def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Placement | None:
+def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float,
+          on_wait: Callable[[str], None] | None = None) -> Placement | None:
     """The early workers, re-ranked for `plan` (`Placement.adopt`), where `plan` runs on exactly
     their devices (raising, once they are released, what `place` would: the cluster cannot
     hold them, one did not start); otherwise they are released and None returned, and the
@@ -413,7 +430,7 @@ def claim(early: EarlyStart, plan: Plan, use_gpu: bool, timeout_s: float) -> Pla
     try:
         domain_selectors(plan, labels)  # a node advertising another NVLink domain than probed stops here
         t0 = time.monotonic()
-        _wait_ready(p.group, early.bundles, early.selectors, timeout_s)
+        _wait_ready(p.group, early.bundles, early.selectors, timeout_s, on_wait)
         t_actors = time.monotonic()
         p.reports = ray.get([a.report.remote() for a in p.actors], timeout=timeout_s)
         p.reports = [{**rep, "rank": i} for i, rep in enumerate(p.reports)]

@@ -6,6 +6,7 @@ the same plan; `explain.py` words it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,9 +193,12 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         """The plan `to_dict` wrote. Its derived keys must agree with the execution they are
-        read from (files written before they were derived kept them equal by a check)."""
+        read from (files written before they were derived kept them equal by a check). What a
+        file holds beside the plan (a run's plan.json its `trial`, `plan --json --rehearse` its
+        `rehearsal`) is not the plan's and is left unread."""
         sync = SyncPlan.from_dict(d["sync"])
-        fields = {k: v for k, v in d.items() if k not in DERIVED_KEYS}
+        own = {spec.name for spec in dataclasses.fields(cls) if spec.init}
+        fields = {k: v for k, v in d.items() if k in own and k not in DERIVED_KEYS}
         plan = from_plain(cls, {**fields, "grad_accum_steps": sync.grad_accum_steps})
         stated = (Strategy(d["strategy"]), Mesh.from_dict(d["mesh"]), Recompute(d["recompute"]), sync)
         if stated != (plan.strategy, plan.mesh, plan.recompute, plan.sync):

@@ -5,7 +5,7 @@ changes only with the behaviour it describes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,10 +33,11 @@ class ConsoleView:
         to it too."""
 
     @contextmanager
-    def status(self, what: str) -> Iterator[None]:
-        """A spinner saying what the job waits for, while it waits."""
-        with self.console.status(what):
-            yield
+    def status(self, what: str) -> Iterator[Callable[[str], None]]:
+        """A spinner saying what the job waits for, while it waits; what it yields says more (a
+        wait for resources: what the cluster still lacks) under the first line."""
+        with self.console.status(what) as spinner:
+            yield lambda more: spinner.update(f"{what}: {escape(more)}")
 
     def line(self, text: str) -> None:
         """A line the record wrote (the compile gain), as it is."""

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from ..planning import Plan
+from .cpu_rate import keep_measured_cpu_rate
 from .messages import Message
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
@@ -386,13 +387,15 @@ class Worker:
         # for compiled blocks, what compiling gains.
         self.timer = StepTimer(self.trainer)
         self.timer.calibrate()
+        if device.type == "cpu" and self.cpu_slot == 0:  # one rank per node keeps the host's rate
+            keep_measured_cpu_rate(plan, self.timer.compute_micro_s)
         self._completed = start
         timings = {"process_group_s": t_group - t0, "model_build_s": importing_s + t_build - t_group,
                    "state_restore_s": time.monotonic() - t_build}
         return {"num_params": self.trainer.num_params, "timings": timings,
                 "notes": notes + self.trainer.build_notes + list(self.trainer.par.notes),
                 "state_bytes": self.trainer.par.state_bytes(), "backend": backend, "start_step": start,
-                "compile_times": self.timer.compile_times,
+                "compile_times": self.timer.compile_times, "compute_micro_s": self.timer.compute_micro_s,
                 "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES") if gpus else None, "nccl_env": nccl_vars,
                 "cpus": sorted(os.sched_getaffinity(0))}
 
