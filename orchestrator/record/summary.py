@@ -269,7 +269,7 @@ def print_summary(console: Console, s: dict[str, Any], run: RunDir) -> None:
     if s["predicted"]["step_s"]:
         t.add_row("step time predicted", f"{s['predicted']['step_s'] * 1000:.1f} ms")
     if s["predicted"].get("step_s_repriced"):
-        t.add_row("step time re-priced from measured compute", f"{s['predicted']['step_s_repriced'] * 1000:.1f} ms")
+        t.add_row("step time re-priced", f"{s['predicted']['step_s_repriced'] * 1000:.1f} ms")
     exposed = s["measured"]["exposed_comm_s"]
     predicted_exposed = s["predicted"]["exposed_comm_s"]
     t.add_row("exposed communication", f"{fmt(exposed * 1000 if exposed == exposed else None, '.1f')} ms"
