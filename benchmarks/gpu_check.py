@@ -982,16 +982,23 @@ def loop_run(check: Check, cfg, plan) -> dict[str, Any]:
     return figures
 
 
+def loop_overrides(check: Check) -> list[str]:
+    """real_loop's job but for `train.compile`: one sequence a step, evaluated at the end only."""
+    s = check.size
+    steps = s["loop_steps"]
+    return [*s["loop_model"], f"model.block_size={s['memory_seq']}", "train.global_batch_size=1",
+            "train.micro_batch_size=1", f"train.precision={check.precision}", "parallel.strategy=zero3",
+            "parallel.tp=1", "parallel.pp=1", "checkpoint.enabled=false", f"train.max_steps={steps}",
+            "train.warmup_steps=1", f"train.eval_interval={steps}", "train.eval_iters=1"]
+
+
 def real_loop(check: Check) -> dict[str, Any]:
     """A Llama trained by the runtime's step loop under FSDP2 on one rank, eager and then with its
     blocks compiled: the loop's tokens/s, MFU, steady step and own overhead, the allocator's peak
     beside the device's footprint, against the plan's step time and per-rank memory."""
     s = check.size
     steps = s["loop_steps"]
-    base = [*s["loop_model"], f"model.block_size={s['memory_seq']}", "train.global_batch_size=1",
-            "train.micro_batch_size=1", f"train.precision={check.precision}", "parallel.strategy=zero3",
-            "parallel.tp=1", "parallel.pp=1", "checkpoint.enabled=false", f"train.max_steps={steps}",
-            "train.warmup_steps=1", f"train.eval_interval={steps}", "train.eval_iters=1"]
+    base = loop_overrides(check)
     spec = measured_spec(base)
     runs: dict[str, Any] = {}
     for mode, compile_flag in (("eager", "false"), ("compiled", "true")):
