@@ -26,6 +26,13 @@ after each. The parts, in the order they run (those that need no Ray first):
   blocks compiled as the runtime compiles them: the steady steps of each (named: the compiled
   figure is of compiled steps only), their ratio, the first compiled step's time over the
   steady one (the compile), against the planner's `COMPILE_SPEEDUP['gpu']` and `COMPILE_S['gpu']`.
+* real_loop: memory_model's Llama at 4,096 tokens, bf16, FSDP2 (zero3) on one rank, trained by
+  the runtime's own step loop (`runtime.loop.run_steps`, as `runtime/launch.py` runs it, its
+  messages kept by a collecting sink), eager and then compiled (`train.compile=true`): from the
+  loop's rows, tokens/s, MFU and step time (median and mean of the steady steps, named: the
+  first LOOP_WARMUP_STEPS and the compile gain's eager steps left out, those listed), the
+  loop's `overhead_s_per_step` and its share of a step, `torch.cuda.max_memory_allocated()`
+  over the loop beside the device's footprint, against the plan's step time and per-rank memory.
 * doctor (needs Ray): `python -m orchestrator doctor`; its exit code, output tails and report.
 * default_job (needs Ray): `python -m orchestrator submit jobs/llm.yaml cluster.num_workers=1
   ...`, short; launch to the end of the first step, steady tokens/s, MFU against the peak the
@@ -97,6 +104,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "dcp": ("params", "bytes", "save_s", "load_s", "tensors", "equal"),
     "compile": ("eager_step_s", "compiled_step_s", "speedup", "compile_s", "predicted_speedup", "predicted_compile_s",
                 "compiled_steps"),
+    "real_loop": ("params", "steps", "runs", "compiled_speedup"),
 }
 STRATEGIES = ("ddp", "zero3")
 RECOMPUTE = ("none", "selective", "full")
@@ -173,6 +181,9 @@ def sizes(device: str, quick: bool) -> dict[str, Any]:
             "dcp_model": gpt(4 if quick else 14, 768, 12), "dcp_block": 1024, "dcp_batch": 8,
             "compile_model": gpt(12, 768, 12), "compile_block": 1024, "compile_batch": 16,
             "compile_steps": 10 if quick else 20,
+            # memory_model's Llama: ~22 TFLOP a step, ~50 ms at 450 TFLOP/s; at least COMPILE_GAIN_STEPS.stop
+            # steps, so the compiled run times its gain on named steps as a user's run does.
+            "loop_model": llama(2048, 8 if quick else 16, 16, 8, 5632, 32000), "loop_steps": 12 if quick else 30,
         }
     return {
         "job_steps": 5 if quick else 10, "job_extra": ["train.eval_iters=1"], "doctor_timeout_s": 120,
@@ -182,6 +193,7 @@ def sizes(device: str, quick: bool) -> dict[str, Any]:
         "step_block": 64, "step_batch": 8, "step_steps": 5 if quick else 12,
         "dcp_model": gpt(2, 128, 4), "dcp_block": 64, "dcp_batch": 4,
         "compile_model": gpt(1, 32, 4), "compile_block": 32, "compile_batch": 4, "compile_steps": 3,
+        "loop_model": llama(64, 2, 4, 2, 176, 256), "loop_steps": 10,
     }
 
 
@@ -870,6 +882,158 @@ def compile_part(check: Check) -> dict[str, Any]:
     return figures
 
 
+# --- real_loop --------------------------------------------------------------------------------
+
+LOOP_WARMUP_STEPS = 2
+"""Completed steps of a loop run left out of its steady figures: the first allocates AdamW's
+state (and, compiled, may still specialise a graph), the second settles the allocator's cache."""
+
+
+class CollectingSink:
+    """The step loop's messages to the driver, kept in the order the loop added them."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        """Every message added (rows, evaluations, timings), in order."""
+        self.ended = False
+        """Whether the loop closed its step range (`end`)."""
+
+    def add(self, item: Any, urgent: bool = False) -> None:
+        self.messages.append(item)
+
+    def flush(self) -> None:
+        """Nothing waits: every message is kept as it is added."""
+
+    def end(self) -> None:
+        self.ended = True
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The metrics rows of the steps, in order."""
+        from orchestrator.runtime.messages import Stepped
+
+        return [m.row for m in self.messages if isinstance(m, Stepped)]
+
+
+def _centre(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "mean": None}
+    return {"median": statistics.median(values), "mean": statistics.fmean(values)}
+
+
+def loop_figures(rows: list[dict[str, Any]], overhead_s_per_step: float, eager_gain_steps: list[int]) -> dict[str, Any]:
+    """What the loop's own rows say of its steady steps: those after LOOP_WARMUP_STEPS, the gain's
+    eager steps (`eager_gain_steps`, completed-step numbers) left out so a compiled figure is of
+    compiled steps only. The overhead's share is of a steady step as the loop runs it: the
+    loop's own work per step over that work plus the mean steady step."""
+    if not rows:
+        raise ValueError("the loop reported no steps")
+    steady = [r for r in rows if r["step"] > LOOP_WARMUP_STEPS and r["step"] not in eager_gain_steps]
+    if not steady:
+        raise ValueError(f"no steady step among {len(rows)}: the first {LOOP_WARMUP_STEPS} warm up and "
+                         f"{len(eager_gain_steps)} time the compile gain eager")
+    step_s = _centre([r["step_s"] for r in steady])
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    warmup = [r["step"] for r in rows if r["step"] <= LOOP_WARMUP_STEPS]
+    return {"steps": [r["step"] for r in rows], "warmup_steps": warmup,
+            "steady_steps": [r["step"] for r in steady], "step_s_each": [r["step_s"] for r in rows],
+            "step_s_median": step_s["median"], "step_s_mean": step_s["mean"],
+            **{f"tokens_per_s_{k}": v for k, v in _centre([r["tokens_per_s"] for r in steady]).items()},
+            **{f"mfu_{k}": v for k, v in _centre(mfus).items()},
+            "overhead_s_per_step": overhead_s_per_step,
+            "overhead_share": overhead_s_per_step / (overhead_s_per_step + step_s["mean"])}
+
+
+def loop_run(check: Check, cfg, plan) -> dict[str, Any]:
+    """The runtime's own step loop (`runtime.loop.run_steps`) over `plan` as a launch without Ray
+    runs it (`runtime/launch.py`): start, calibrate, train every step of `train.max_steps`;
+    its rows, answer and memory, with the steps named by what they ran."""
+    import torch
+
+    from orchestrator.runtime.loop import run_steps
+    from orchestrator.runtime.step_timer import StepTimer
+    from orchestrator.runtime.validator import Validator
+
+    baseline = torch.cuda.memory_allocated() if check.cuda else 0
+    tr = trainer(check, cfg, plan)
+    start = tr.start()
+    timer = StepTimer(tr)
+    timer.calibrate()
+    if check.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    sink = CollectingSink()
+    t = cfg.train
+    end = run_steps(tr, range(start, t.max_steps), timer, Validator(tr.evaluate, t.eval_interval, t.max_steps), sink)
+    if not sink.ended:
+        raise RuntimeError("the loop returned without closing its step range")
+    eager_gain = timer.gain_steps_trained["eager"]
+    figures = loop_figures(sink.rows(), end.overhead_s_per_step, eager_gain)
+    figures.update(
+        compiled=tr.compiled, gain_steps_eager=eager_gain, gain_steps_compiled=timer.gain_steps_trained["compiled"],
+        gain_step_s=timer.compile_steps, calibration=timer.compile_times, compute_micro_s=timer.compute_micro_s,
+        last_val_loss=end.last_val_loss, tokens_per_step=tr.tokens_per_step,
+        predicted_step_s=plan.step_time.total_s, predicted_memory_bytes=plan.memory_per_rank.total,
+        predicted_compile={"enabled": plan.compile.enabled, "measured": plan.compile.measured},
+        messages=len(sink.messages))
+    if check.cuda:
+        figures.update(allocator_peak_bytes=torch.cuda.max_memory_allocated() - baseline, baseline_bytes=baseline,
+                       measured_by="torch.cuda.max_memory_allocated", footprint=device_footprint(torch.cuda))
+    else:
+        figures.update(allocator_peak_bytes=None, baseline_bytes=0, measured_by=None, footprint=None)
+    return figures
+
+
+def loop_overrides(check: Check) -> list[str]:
+    """real_loop's job but for `train.compile`: one sequence a step, evaluated at the end only."""
+    s = check.size
+    steps = s["loop_steps"]
+    return [*s["loop_model"], f"model.block_size={s['memory_seq']}", "train.global_batch_size=1",
+            "train.micro_batch_size=1", f"train.precision={check.precision}", "parallel.strategy=zero3",
+            "parallel.tp=1", "parallel.pp=1", "checkpoint.enabled=false", f"train.max_steps={steps}",
+            "train.warmup_steps=1", f"train.eval_interval={steps}", "train.eval_iters=1"]
+
+
+def real_loop(check: Check) -> dict[str, Any]:
+    """A Llama trained by the runtime's step loop under FSDP2 on one rank, eager and then with its
+    blocks compiled: the loop's tokens/s, MFU, steady step and own overhead, the allocator's peak
+    beside the device's footprint, against the plan's step time and per-rank memory."""
+    s = check.size
+    steps = s["loop_steps"]
+    base = loop_overrides(check)
+    spec = measured_spec(base)
+    runs: dict[str, Any] = {}
+    for mode, compile_flag in (("eager", "false"), ("compiled", "true")):
+        check.log(f"real_loop: {mode}, {steps} steps")
+        cfg, plan = plan_for(check, [*base, f"train.compile={compile_flag}"], spec)
+        try:
+            runs[mode] = loop_run(check, cfg, plan)
+        except Exception as e:  # noqa: BLE001 - the compiled run still runs where the eager one fails
+            runs[mode] = {"error": one_line(e)}
+        _free(check)
+        r = runs[mode]
+        check.log(f"real_loop: {mode}: " + (r["error"] if "error" in r else
+                  f"{r['tokens_per_s_median']:,.0f} tokens/s, step {r['step_s_median'] * 1e3:.1f} ms (median), "
+                  f"overhead {r['overhead_s_per_step'] * 1e3:.2f} ms/step"))
+    figures = {"model": base, "params": spec.params, "seq": s["memory_seq"],
+               "steps": steps, "strategy": "zero3", "precision": check.precision, "runs": runs}
+    done = {m: r for m, r in runs.items() if "error" not in r}
+    if len(done) == 2:
+        figures["compiled_speedup"] = done["eager"]["step_s_median"] / done["compiled"]["step_s_median"]
+    unit, per = ("GB", 1e9) if check.cuda else ("MB", 1e6)
+    print_table(f"the runtime's step loop, Llama {s['loop_model'][1]}, {s['memory_seq']} tokens, zero3 on one rank "
+                f"on {check.device}, {check.precision}, steady steps' median (mean)",
+                ["mode", "tokens/s", "MFU", "step ms", "pred ms", "overhead ms", "share", f"peak {unit}",
+                 f"device {unit}", f"pred {unit}"],
+                [[m, r["tokens_per_s_median"], r["mfu_median"], r["step_s_median"] * 1e3,
+                  r["predicted_step_s"] * 1e3, r["overhead_s_per_step"] * 1e3, r["overhead_share"],
+                  (r["allocator_peak_bytes"] or math.nan) / per,
+                  (r["footprint"] or {}).get("device_used_bytes", math.nan) / per,
+                  r["predicted_memory_bytes"] / per] for m, r in done.items()])
+    failed = [m for m, r in runs.items() if "error" in r]
+    if failed:
+        raise PartFailed(f"{', '.join(failed)} failed: {runs[failed[0]]['error']}", figures)
+    return figures
+
+
 # --- the parts and their runner ---------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -887,11 +1051,12 @@ class Part:
 
 
 PART_TABLE: tuple[Part, ...] = (
-    Part("torch_api", torch_api, (30, 15)),
-    Part("memory_model", memory_model, (100, 45)),
-    Part("step_time", step_time, (60, 30)),
-    Part("dcp", dcp, (60, 30)),
-    Part("compile", compile_part, (100, 60)),
+    Part("torch_api", torch_api, (20, 10)),
+    Part("memory_model", memory_model, (90, 40)),
+    Part("step_time", step_time, (50, 25)),
+    Part("dcp", dcp, (50, 25)),
+    Part("compile", compile_part, (60, 35)),
+    Part("real_loop", real_loop, (90, 45)),
     Part("doctor", doctor, (150, 150), needs_ray=True),
     Part("default_job", default_job, (240, 200), needs_ray=True),
 )
@@ -1060,6 +1225,10 @@ def headline(name: str, r: dict[str, Any]) -> str:
     if name == "compile":
         return (f"compiled {r['speedup']:.2f}x eager (blocks predicted {r['predicted_speedup']:.2f}x), compile "
                 f"{r['compile_s']:.1f} s (predicted {r['predicted_compile_s']:.1f} s)")
+    if name == "real_loop":
+        return "; ".join(f"{mode} {run['tokens_per_s_median']:,.0f} tokens/s, step {run['step_s_median'] * 1e3:.1f} "
+                         f"ms (plan {run['predicted_step_s'] * 1e3:.1f}), overhead {run['overhead_share']:.2%}"
+                         for mode, run in r["runs"].items())
     if name == "dcp":
         return (f"{r['bytes'] / 1e9:.2f} GB, save {r['save_s']:.2f} s, load {r['load_s']:.2f} s, "
                 f"{r['tensors']} tensors {'equal' if r['equal'] else 'DIFFER'}")

@@ -28,7 +28,7 @@ sys.path.insert(0, str(BENCH))
 import gpu_check  # noqa: E402
 from test_benchmark_results import problems  # noqa: E402
 
-IN_PROCESS = ("torch_api", "memory_model", "step_time", "dcp", "compile")
+IN_PROCESS = ("torch_api", "memory_model", "step_time", "dcp", "compile", "real_loop")
 RAY = ("doctor", "default_job")
 FILES = sorted((gpu_check.RESULT_FILE, gpu_check.LOG_FILE))  # all that comes back from the GPU machine
 
@@ -57,7 +57,7 @@ def _result(out: Path, part: str) -> dict:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
-    res = _smoke(out, IN_PROCESS, timeout=400)
+    res = _smoke(out, IN_PROCESS, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, res
 
@@ -156,6 +156,70 @@ def test_cpu_smoke_dcp_loads_back_exactly_what_it_saved(smoke):
 
 class _Boom(BaseException):
     """As DCP's collective failure: a BaseException, not an Exception."""
+
+
+@pytest.mark.slow
+def test_cpu_smoke_real_loop_reports_the_loops_own_figures_eager_and_compiled(smoke):
+    from orchestrator.runtime.step_timer import COMPILE_GAIN_STEPS
+
+    data = _result(smoke[0], "real_loop")
+    assert data["strategy"] == "zero3" and _positive(data["params"], data["compiled_speedup"])
+    eager, compiled = data["runs"]["eager"], data["runs"]["compiled"]
+    assert (eager["compiled"], compiled["compiled"]) == (False, True)
+    steps = list(range(1, data["steps"] + 1))
+    for run in (eager, compiled):
+        # Every step reported by the loop, a baseline and a final evaluation beside them.
+        assert run["steps"] == steps and len(run["step_s_each"]) == data["steps"]
+        assert run["warmup_steps"] == [1, 2] and math.isfinite(run["last_val_loss"])
+        assert _positive(run["step_s_median"], run["step_s_mean"], run["tokens_per_s_median"], run["mfu_median"],
+                         run["overhead_s_per_step"], run["predicted_step_s"], run["predicted_memory_bytes"])
+        assert 0 < run["overhead_share"] < 1
+        assert run["allocator_peak_bytes"] is None and run["footprint"] is None  # CPU: no allocator to ask
+    assert eager["steady_steps"] == steps[2:] and eager["gain_steps_eager"] == []
+    # The compiled run times its gain on the runtime's named steps: its figure is of compiled steps only.
+    gain = [s + 1 for s in COMPILE_GAIN_STEPS]
+    assert compiled["gain_steps_eager"] == gain[::2] and compiled["gain_steps_compiled"] == gain[1::2]
+    assert compiled["steady_steps"] == [s for s in steps[2:] if s not in gain[::2]]
+    assert compiled["step_s_median"] == statistics.median(compiled["step_s_each"][s - 1]
+                                                          for s in compiled["steady_steps"])
+    assert data["compiled_speedup"] == pytest.approx(eager["step_s_median"] / compiled["step_s_median"])
+
+
+def _row(step: int, step_s: float, mfu: float | None = None) -> dict:
+    return {"step": step, "step_s": step_s, "tokens_per_s": 100 / step_s, **({"mfu": mfu} if mfu else {})}
+
+
+def test_loop_figures_are_of_the_steady_steps_without_the_gains_eager_ones():
+    rows = [_row(1, 9.0, 0.01), _row(2, 3.0, 0.03), _row(3, 2.0, 0.05), _row(4, 1.0, 0.1), _row(5, 4.0, 0.025),
+            _row(6, 1.0, 0.1)]
+    got = gpu_check.loop_figures(rows, overhead_s_per_step=0.25, eager_gain_steps=[5])
+    assert got["warmup_steps"] == [1, 2] and got["steady_steps"] == [3, 4, 6]
+    assert got["step_s_each"] == [9.0, 3.0, 2.0, 1.0, 4.0, 1.0]
+    assert (got["step_s_median"], got["step_s_mean"]) == (1.0, pytest.approx(4 / 3))
+    assert (got["tokens_per_s_median"], got["tokens_per_s_mean"]) == (100.0, pytest.approx(250 / 3))
+    assert (got["mfu_median"], got["mfu_mean"]) == (0.1, pytest.approx(0.25 / 3))
+    assert got["overhead_s_per_step"] == 0.25
+    assert got["overhead_share"] == pytest.approx(0.25 / (0.25 + 4 / 3))
+    # Without a peak the loop's rows carry no MFU, and the figures say so.
+    assert gpu_check.loop_figures([_row(3, 2.0)], 0.0, [])["mfu_median"] is None
+    with pytest.raises(ValueError, match="no steady step among 2"):
+        gpu_check.loop_figures(rows[:2], 0.0, [])
+    with pytest.raises(ValueError, match="reported no steps"):
+        gpu_check.loop_figures([], 0.0, [])
+
+
+def test_the_collecting_sink_keeps_the_loops_messages_in_order():
+    from orchestrator.runtime.messages import Evaluated, RankTimes, Stepped
+
+    sink = gpu_check.CollectingSink()
+    sink.add(Evaluated(step=0, val_loss=5.0), urgent=True)
+    sink.add(Stepped(row={"step": 1}))
+    sink.add(RankTimes(rank=0, times=((0.1, None),)))
+    sink.add(Stepped(row={"step": 2}))
+    sink.flush()
+    assert not sink.ended
+    sink.end()
+    assert sink.ended and len(sink.messages) == 4 and sink.rows() == [{"step": 1}, {"step": 2}]
 
 
 def test_a_failing_part_is_one_line_and_the_others_still_run(tmp_path, monkeypatch):
@@ -493,6 +557,13 @@ def test_the_gpu_sizes_plan_and_fit_on_one_h200(tmp_path, monkeypatch):
         overrides = [*model, f"model.block_size={s['step_block']}", f"train.global_batch_size={s['step_batch']}",
                      "train.precision=bf16", "parallel.strategy=ddp"]
         assert gpu_check.plan_for(check, overrides)[1].fits
+    from orchestrator.runtime.step_timer import COMPILE_GAIN_STEPS
+
+    assert s["loop_steps"] >= COMPILE_GAIN_STEPS.stop  # the compiled run times its gain on named steps
+    for compile_flag in ("false", "true"):
+        _, plan = gpu_check.plan_for(check, [*gpu_check.loop_overrides(check), f"train.compile={compile_flag}"], spec)
+        assert plan.fits and str(plan.strategy) == "zero3" and plan.compile.enabled == (compile_flag == "true")
+    assert 0.8e9 < plan.model.params < 1.2e9
     _, plan = gpu_check.plan_for(check, [*s["dcp_model"], f"model.block_size={s['dcp_block']}"])
     assert 0.08e9 < plan.model.params < 0.12e9  # ~100M
 
