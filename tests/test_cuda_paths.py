@@ -128,3 +128,25 @@ def test_an_h200_nvl_is_not_read_as_an_h200(name, peak):
     from orchestrator.planning.gpus import lookup
 
     assert lookup(name).peak_tflops == peak
+
+
+def test_a_step_that_returns_after_an_abort_never_counts(monkeypatch):
+    import types
+
+    from orchestrator.runtime import worker
+
+    monkeypatch.setattr(worker, "_normal_priority", lambda: None)
+    rank = worker.Worker.__ray_actor_class__(0, 2, 0, torch.get_num_threads())
+    rank.trainer = types.SimpleNamespace(plan=types.SimpleNamespace(mesh=types.SimpleNamespace(dp_replicate=2)),
+                                         applied=4, held_tensors=lambda: [("w", torch.zeros(1))])
+    rank._step_done({"step": 3, "loss": 2.0})
+    rank._step_done({"step": 4, "loss": 1.9})
+    # The control thread aborts while step 5 waits on the loss's reduction, which then returns a
+    # partial sum; the loop applies the step and makes its row.
+    rank.abort_collectives()
+    rank.trainer.applied = 5
+    with pytest.raises(RuntimeError, match="step 5 returned after its group's collectives were aborted"):
+        rank._step_done({"step": 5, "loss": 0.7})
+    assert [r["step"] for r in rank._rows] == [3, 4]  # no row for the driver's restore
+    assert rank._keep() is None  # no held state for the survivors' restore
+    assert rank._not_held == "its step 5 was applied but not done"

@@ -248,6 +248,9 @@ class Worker:
         """The newest steps' metrics rows: those rank 0 had not yet sent when it failed."""
         self._completed = 0
         """The last step whose row this rank made (before its evaluation, which may follow)."""
+        self._aborted = threading.Event()
+        """Set when the group's collectives were aborted (`abort_collectives`), until the next
+        `setup`: a step that then returns may hold partial sums and never counts."""
         self._stage = "idle"
         """Where `train` is: training; leaving, then holding (after a failure); idle."""
         self._served = None
@@ -340,6 +343,7 @@ class Worker:
         # model is built, so the two never share the memory.
         held, self._held = (self._held, None) if isinstance(resume_from, PeerRestore) else (None, None)
         self._rows.clear()  # an earlier world's rows: a restore may have rewound past them
+        self._aborted.clear()  # the abort was the old group's
         notes = [self.niceness_note] if self.niceness_note else []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
@@ -483,6 +487,8 @@ class Worker:
         peer's or a leaving survivor's connection closes, which abort cannot hasten)."""
         import torch.distributed as dist
 
+        # Before the abort: a step it unblocks must find it set when it returns.
+        self._aborted.set()
         with self._group_lock:
             if dist.is_initialized():
                 try:
@@ -540,7 +546,13 @@ class Worker:
                 "compile_gain_steps": timer.gain_steps_trained if stepped else None}
 
     def _step_done(self, row: dict[str, Any]) -> None:
-        """A step is whole (applied, its row made): a restore from memory may start after it."""
+        """A step is whole (applied, its row made): a restore from memory may start after it. A step
+        that returns after its group was aborted is not: a collective cut short may have handed
+        it a partial sum (the loss's `.item()`), so it fails, before its row, checkpoint or held
+        state can count it."""
+        if self._aborted.is_set():
+            raise RuntimeError(f"step {row['step']} returned after its group's collectives were aborted: its "
+                               "reductions may be partial, so it does not count")
         self._rows.append(row)
         self._completed = row["step"]
 
