@@ -61,6 +61,10 @@ class NVMLError_InvalidArgument(NVMLError):
     text = "Invalid Argument"
 
 
+class NVMLError_NotFound(NVMLError):
+    text = "Not Found"
+
+
 class NVMLError_DriverNotLoaded(NVMLError):
     text = "Driver Not Loaded"
 
@@ -87,6 +91,16 @@ class FakeGpu:
     mig: bool = False
     fabric: tuple[bytes, int] | None = None
     """(cluster uuid, clique id) when the GPU is in a multi-node NVLink fabric."""
+    mig_uuids: list[str] = field(default_factory=list)
+    """The UUIDs of the MIG instances carved from this GPU."""
+
+
+@dataclass(frozen=True)
+class MigHandle:
+    """A MIG instance's handle: its GPU's index and its own place among the GPU's instances."""
+
+    gpu: int
+    instance: int
 
 
 # NVML's versioned structs must carry their version, or the call fails (as real NVML does).
@@ -179,6 +193,29 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, h: int) -> str:
         self._check("nvmlDeviceGetUUID")
         return self._gpu(h).uuid
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: bytes) -> int | MigHandle:
+        self._check("nvmlDeviceGetHandleByUUID")
+        if not isinstance(uuid, bytes):  # nvidia-ml-py hands it to ctypes as a char pointer
+            raise TypeError(f"nvmlDeviceGetHandleByUUID takes bytes, not {type(uuid).__name__}")
+        for i, gpu in enumerate(self.gpus):
+            if gpu.uuid == uuid.decode():
+                return i
+            if uuid.decode() in gpu.mig_uuids:
+                return MigHandle(i, gpu.mig_uuids.index(uuid.decode()))
+        raise NVMLError_NotFound()
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: MigHandle) -> int:
+        self._check("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
+        if not isinstance(h, MigHandle):
+            raise NVMLError_InvalidArgument()
+        return h.gpu
+
+    def nvmlDeviceGetIndex(self, h: int) -> int:
+        self._check("nvmlDeviceGetIndex")
+        if not isinstance(h, int):  # a MIG instance's handle has no device index
+            raise NVMLError_InvalidArgument()
+        return h
 
     def nvmlDeviceGetPciInfo(self, h: int):
         self._check("nvmlDeviceGetPciInfo")

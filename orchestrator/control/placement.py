@@ -237,7 +237,9 @@ def _missing(bundles: list[dict], selectors: list[dict] | None) -> str:
 
 @ray.remote(num_cpus=0)
 def _bundle_gpu() -> tuple[str, int]:
-    return ray.get_runtime_context().get_node_id(), int(ray.get_gpu_ids()[0])
+    from ..runtime.gpu_ids import gpu_indices
+
+    return ray.get_runtime_context().get_node_id(), gpu_indices(ray.get_gpu_ids()[:1])[0]
 
 
 def place(

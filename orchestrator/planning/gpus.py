@@ -49,6 +49,9 @@ GPU_TABLE: tuple[GpuSpec, ...] = (
     # The Hopper GPU of Grace Hopper, 96 GB HBM3 at 4 TB/s (1,979 TFLOPS bf16 sparse):
     # https://www.nvidia.com/en-us/data-center/grace-hopper-superchip/
     GpuSpec("GH200", 989.0, 96 * GB, 4000.0, 67.0, ("GH200",), sms=132),
+    # H200 NVL: 1,671 TFLOPS bf16 sparse, 60 TFLOPS fp32, 141 GB at 4.8 TB/s
+    # (https://www.nvidia.com/en-us/data-center/h200/): "H200 NVL" holds "H200", so it comes first.
+    GpuSpec("H200-NVL", 835.0, 141 * GB, 4800.0, 60.0, ("H200 NVL",), sms=132),
     GpuSpec("H200", 989.0, 141 * GB, 4800.0, 67.0, ("H200",), sms=132),
     # 148 TFLOPS bf16 dense, 96 GB HBM3 at 4.0 TB/s, 900 GB/s NVLink: NVIDIA AI Enterprise's H20
     # page https://docs.nvidia.com/ai-enterprise/release-8/latest/infra-software/vgpu/reference/hopper-h20.html

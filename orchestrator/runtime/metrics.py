@@ -17,7 +17,10 @@ import functools
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 JOB_TAG = "job_name"
 TAG_KEYS = (JOB_TAG, "rank", "node")
@@ -140,12 +143,14 @@ def _current_node() -> str:
     return socket.gethostname()
 
 
-def process_memory_bytes() -> int:
-    """Peak memory this rank holds: CUDA's peak allocation when it uses a GPU, else resident memory."""
-    import torch
+def process_memory_bytes(device: torch.device | None = None) -> int:
+    """Peak memory this rank holds: CUDA's peak allocation on `device` when it is a GPU, else
+    resident memory. The device is named, never taken as the current one: the current device is
+    per thread, and the exporter's thread would read device 0 for every rank."""
+    if device is not None and device.type == "cuda":
+        import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_allocated(device))
     return int(_this_process().memory_info().rss)
 
 
@@ -165,12 +170,13 @@ class TrainMetrics:
     """One rank's exported metrics, tagged with its job, rank and node."""
 
     def __init__(self, job: str, rank: int, node: str | None = None, *, planned_bytes: int | None = None,
-                 baseline_bytes: int | None = None) -> None:
+                 baseline_bytes: int | None = None, device: torch.device | None = None) -> None:
         if not job:
             raise ValueError("TrainMetrics needs a job name (the `name` of the job config)")
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.tags = {JOB_TAG: job, "rank": str(rank), "node": node or _current_node()}
+        self.device = device  # whose memory a step without `memory_bytes` reports
         self._metrics = {spec.name: (spec, _metric(spec, TAG_KEYS)) for spec in METRICS}
         self._pending: list[Mapping[str, Any]] = []
         self._lock = threading.Lock()
@@ -203,7 +209,7 @@ class TrainMetrics:
         for row in rows:
             last.update((k, v) for k, v in row.items() if v is not None)
         if last.get("memory_bytes") is None:
-            last["memory_bytes"] = process_memory_bytes()
+            last["memory_bytes"] = process_memory_bytes(self.device)
         for spec, metric in self._metrics.values():
             if spec.step_key is None:
                 continue

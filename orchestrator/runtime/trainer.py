@@ -13,7 +13,6 @@ stages (`pipeline.py`); the loss comes from the last stage.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from .materialize import allocate, build_on_meta, init_recipe, materialize
 from .parallelize import Parallelized, build_mesh, data_parallel_rank, parallelize
 from .peer_state import Held, PeerRestore, restore
 from .pipeline import Pipelined, build_pipeline
+from .rendezvous import group_options
 from .state_names import canonical, restore_names, tied_aliases
 
 _DTYPES = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}
@@ -338,14 +338,16 @@ class Trainer:
         return self._global_mean(total / (t.eval_iters * self.accum))
 
 
-def init_process_group(rank: int, world: int, master_addr: str, master_port: int, backend: str) -> None:
-    """Rendezvous over TCP on rank 0's address (no env:// so nothing leaks between runs)."""
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+def init_process_group(rank: int, world: int, master_addr: str, master_port: int, backend: str,
+                       device: torch.device | None = None) -> None:
+    """Rendezvous over TCP on rank 0's address (no env:// so nothing leaks between runs); on NCCL
+    bound to `device`, the current CUDA device where none is given (`rendezvous.group_options`)."""
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world,
+        **group_options(backend, device),
     )
 
 

@@ -25,6 +25,7 @@ import ray
 
 from ..planning import Plan
 from .cpu_rate import keep_measured_cpu_rate
+from .gpu_ids import gpu_indices
 from .messages import Message
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
@@ -53,7 +54,7 @@ def _pci_bus_id(gpu: int | None) -> str | None:
 def device_report(cpu_slot: int) -> dict[str, Any]:
     """Where this process runs, as Ray and the OS see it (placement.json records it)."""
     ctx = ray.get_runtime_context()
-    gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+    gpu_ids = gpu_indices(ray.get_gpu_ids())
     gpu = gpu_ids[0] if gpu_ids else None
     return {
         "node_id": ctx.get_node_id(),
@@ -164,16 +165,18 @@ def _forget_resident_peak() -> None:
         pass
 
 
-def memory_baseline(device) -> int:
-    """Bytes this rank holds now, before its model exists: what `memory_use` subtracts. The peak
-    `memory_use` reports counts from here on."""
+def memory_baseline(device, kept: int | None = None) -> int:
+    """Bytes this rank holds now, before its model exists: what `memory_use` subtracts; `kept`
+    instead where the process took one at an earlier setup (a survivor joining a new group: what
+    it holds now includes pages its allocator kept from the old one). Either way the peak
+    `memory_use` reports counts from here on, so it never includes an earlier world's."""
     import torch
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return int(torch.cuda.memory_allocated(device))
+        return int(torch.cuda.memory_allocated(device)) if kept is None else kept
     _forget_resident_peak()
-    return _resident_bytes()
+    return _resident_bytes() if kept is None else kept
 
 
 def memory_use(device, baseline: int) -> MemoryUse:
@@ -246,6 +249,9 @@ class Worker:
         """The newest steps' metrics rows: those rank 0 had not yet sent when it failed."""
         self._completed = 0
         """The last step whose row this rank made (before its evaluation, which may follow)."""
+        self._aborted = threading.Event()
+        """Set when the group's collectives were aborted (`abort_collectives`), until the next
+        `setup`: a step that then returns may hold partial sums and never counts."""
         self._stage = "idle"
         """Where `train` is: training; leaving, then holding (after a failure); idle."""
         self._served = None
@@ -338,10 +344,11 @@ class Worker:
         # model is built, so the two never share the memory.
         held, self._held = (self._held, None) if isinstance(resume_from, PeerRestore) else (None, None)
         self._rows.clear()  # an earlier world's rows: a restore may have rewound past them
+        self._aborted.clear()  # the abort was the old group's
         notes = [self.niceness_note] if self.niceness_note else []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
-        gpus = [int(g) for g in ray.get_gpu_ids()]
+        gpus = gpu_indices(ray.get_gpu_ids())
         if gpus:
             # Every worker sees all of this job's GPUs on its node, and only those: NCCL needs
             # its peers visible for P2P and NVLink, other jobs' GPUs stay out of reach. Set
@@ -365,13 +372,10 @@ class Worker:
         t0 = time.monotonic()
         # The store this actor served is the group's only where it is the group's rank 0.
         served, self._served = (self._served if self.rank == 0 else None), None
-        join(self.rank, self.world, master, backend, served)
+        join(self.rank, self.world, master, backend, served, device)
         del served  # the group holds it now, and closes it when the group goes
         t_group = time.monotonic()
-        # A survivor joining a new group keeps the baseline it took before its first model: what
-        # it holds now includes pages its allocator kept from the old one.
-        if getattr(self, "memory_baseline", None) is None:
-            self.memory_baseline = memory_baseline(device)
+        self.memory_baseline = memory_baseline(device, getattr(self, "memory_baseline", None))
         from . import checkpoint
 
         # A group of its own costs a rendezvous: made only where checkpoints will be written.
@@ -380,7 +384,7 @@ class Worker:
         self.trainer = Trainer(cfg, plan, device, model_fn, resuming=resume_from is not None)
         t_build = time.monotonic()
         self.metrics = TrainMetrics(cfg.name, self.rank, planned_bytes=plan.memory_per_rank.total,
-                                    baseline_bytes=self.memory_baseline)
+                                    baseline_bytes=self.memory_baseline, device=device)
         start = self.trainer.start(resume_from, held)
         del held
         # Measured on the loaded weights, before the first step: the compute-only baseline and,
@@ -486,6 +490,8 @@ class Worker:
         peer's or a leaving survivor's connection closes, which abort cannot hasten)."""
         import torch.distributed as dist
 
+        # Before the abort: a step it unblocks must find it set when it returns.
+        self._aborted.set()
         with self._group_lock:
             if dist.is_initialized():
                 try:
@@ -543,7 +549,13 @@ class Worker:
                 "compile_gain_steps": timer.gain_steps_trained if stepped else None}
 
     def _step_done(self, row: dict[str, Any]) -> None:
-        """A step is whole (applied, its row made): a restore from memory may start after it."""
+        """A step is whole (applied, its row made): a restore from memory may start after it. A step
+        that returns after its group was aborted is not: a collective cut short may have handed
+        it a partial sum (the loss's `.item()`), so it fails, before its row, checkpoint or held
+        state can count it."""
+        if self._aborted.is_set():
+            raise RuntimeError(f"step {row['step']} returned after its group's collectives were aborted: its "
+                               "reductions may be partial, so it does not count")
         self._rows.append(row)
         self._completed = row["step"]
 

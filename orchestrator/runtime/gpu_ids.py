@@ -1,0 +1,44 @@
+"""Ray's GPU ids for a worker as NVML's device indices, which the plan's ranks name.
+
+Ray hands a worker the ids its node listed in CUDA_VISIBLE_DEVICES: indices ("0") as a rule,
+but UUIDs where the node's GPUs were listed by UUID ("GPU-…", or "MIG-…" for a MIG instance).
+A UUID is looked up through NVML: a GPU's own index, a MIG instance's parent GPU's index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+UUID_PREFIXES = ("GPU-", "MIG-")
+"""How NVML's UUIDs begin: a whole GPU's, a MIG instance's."""
+
+
+def gpu_indices(gpu_ids: Sequence[str | int], nvml: Any | None = None) -> list[int]:
+    """The NVML index of each of `gpu_ids` (what `ray.get_gpu_ids()` returns), in order. NVML
+    (`nvml`, else `pynvml`) is opened only where an id is a UUID."""
+    indices = [int(g) for g in gpu_ids if not str(g).startswith(UUID_PREFIXES)]
+    if len(indices) == len(gpu_ids):
+        return indices
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as e:
+            raise RuntimeError(f"GPU ids {list(gpu_ids)} are UUIDs and NVML (nvidia-ml-py) is not installed to "
+                               "map them to device indices") from e
+    nvml.nvmlInit()
+    try:
+        return [int(g) if not str(g).startswith(UUID_PREFIXES) else _index_of(nvml, str(g)) for g in gpu_ids]
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _index_of(nvml: Any, uuid: str) -> int:
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        if uuid.startswith("MIG-"):
+            # A MIG instance has no device index of its own: the GPU it is carved from has.
+            handle = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+        return int(nvml.nvmlDeviceGetIndex(handle))
+    except nvml.NVMLError as e:
+        raise RuntimeError(f"GPU id {uuid} names no device NVML knows on this node ({e})") from e
