@@ -11,9 +11,9 @@ blamed. Either way the result is a `WorkerFailure` record for the driver to deci
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Collection
 from typing import Any
 
 import ray
