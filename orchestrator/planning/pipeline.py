@@ -175,7 +175,7 @@ def split_layers(shape: ModelShape, chunks: int) -> tuple[int, ...]:
         return (n,)
     head = head_cost_in_blocks(shape)
     # Smallest bottleneck over the last chunk's block count k; the rest split evenly.
-    best: tuple[int, int] | None = None
+    best: tuple[float, int] | None = None
     for k in range(1, n - chunks + 2):
         rest = n - k
         per = math.ceil(rest / (chunks - 1))
