@@ -9,6 +9,9 @@ to, print as and serialise to their plain names.
 from __future__ import annotations
 
 from enum import Enum
+from typing import TypeVar
+
+Member = TypeVar("Member", bound="Choice")
 
 
 class Choice(str, Enum):
@@ -26,7 +29,7 @@ class Choice(str, Enum):
         return cls.__members__.get(value) if isinstance(value, str) else None
 
     @classmethod
-    def concrete(cls) -> tuple["Choice", ...]:
+    def concrete(cls: type[Member]) -> tuple[Member, ...]:
         """Every member a plan may hold (all but `auto`), in declaration order."""
         return tuple(m for m in cls if m.value != "auto")
 

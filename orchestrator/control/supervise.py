@@ -11,6 +11,7 @@ blamed. Either way the result is a `WorkerFailure` record for the driver to deci
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def blame(actors: list[Any], known_dead: dict[int, Exception] | None = None, nod
 
 
 def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOUT_S,
-                silent: list[int] = ()) -> Blame:
+                silent: Collection[int] = ()) -> Blame:
     """Every answering rank's Python stacks (all threads, faulthandler) in out_dir/rank_NNNN.txt;
     a rank that cannot answer (stopped, gone) gets a file saying so. The same single wait says
     who is to blame: the ranks whose actor is gone and those that did not answer. The ranks

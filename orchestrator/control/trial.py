@@ -63,6 +63,12 @@ class Measured:
             return None
         return self.steps_exposed_s[self.steps_s.index(min(self.steps_s))]
 
+    def ran_step_s(self) -> float:
+        """`step_s` of a plan that ran: one that did not fail has timed steps."""
+        if not self.steps_s:
+            raise ValueError(f"trial plan {self.candidate.label!r} has no timed step: only a plan that ran is compared")
+        return min(self.steps_s)
+
     def spread(self) -> float:
         """How far its slowest timed step lies above its fastest, as a share of the fastest."""
         return max(self.steps_s) / min(self.steps_s) - 1.0 if self.steps_s else 0.0
@@ -92,7 +98,7 @@ def _summarise(per_rank: list[list[tuple[float, float | None]]]) -> tuple[list[f
     steps, exposed = [], []
     for i in range(len(timed[0])):
         steps.append(max(rank[i][0] for rank in timed))
-        values = [rank[i][1] for rank in timed if rank[i][1] is not None]
+        values = [exposed_s for rank in timed if (exposed_s := rank[i][1]) is not None]
         exposed.append(statistics.median(values) if values else None)
     return steps, exposed
 
@@ -215,9 +221,9 @@ def near_ties(measured: list[Measured]) -> list[Measured]:
     ok = [m for m in measured if m.failed is None]
     if len(ok) < 2:
         return []
-    best = min(m.step_s for m in ok)
+    best = min(m.ran_step_s() for m in ok)
     spread = max(m.spread() for m in ok)
-    ties = [m for m in ok if m.step_s <= best * (1.0 + spread)]
+    ties = [m for m in ok if m.ran_step_s() <= best * (1.0 + spread)]
     return ties if len(ties) > 1 else []
 
 
@@ -241,7 +247,7 @@ def _retime(cfg: JobConfig, ties: list[Measured], placement: Placement, topology
 
 
 def winner(measured: list[Measured]) -> Measured:
-    return min((m for m in measured if m.failed is None), key=lambda m: m.step_s)
+    return min((m for m in measured if m.failed is None), key=lambda m: m.ran_step_s())
 
 
 def record(measured: list[Measured], best: Measured, cost_s: float, budget_s: float | None,
@@ -279,7 +285,7 @@ def write_calibration(run: RunDir, measured: list[Measured]) -> dict[str, float]
 
 def table_rows(measured: list[Measured], best: Measured) -> list[tuple[str, ...]]:
     """The console's trial table: each candidate's plan, prediction and fastest measured step."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for m in measured:
         p = m.candidate.plan
         rows.append((m.candidate.label, str(p.strategy), str(p.mesh), str(p.execution.sync_algorithm),

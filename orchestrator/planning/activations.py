@@ -262,7 +262,7 @@ def _gpt(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes, bloc
     kept = b * (blocks * block + tail)
     loss = b * LOSS_GRAD_BYTES * shape.seq * shape.vocab if last else 0.0
     # The gradients flowing down the residual stream are in its dtype.
-    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * v.stream
+    in_block: float = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * v.stream
     if recompute == "full":
         # Backward of a block re-runs its forward: its activations (but the input, kept) live again.
         in_block += b * (gpt_block_bytes(shape, tp, "none", v) - block)
@@ -329,7 +329,7 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes,
     kept += b * (blocks * fix + (sh * (v.norm_out - v.act) if last else 0.0))
     # A block's own backward was not measured apart from the loss's: the GPT's count of it, with
     # the measured block re-run under full recomputation (what a stage without the loss holds).
-    in_block = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * v.act
+    in_block: float = b * BLOCK_GRAD_VALUES * shape.seq * shape.hidden * v.act
     if recompute == "full":
         in_block += scale * (spec.block_activation_bytes["none"] - spec.block_activation_bytes["full"])
     in_block += _largest_weight_gradient(shape, tp)

@@ -123,7 +123,10 @@ def _merge(parts: list[NodeTopology], clique: str) -> tuple[NodeTopology, list[t
     from ..topology.bandwidth import estimate, nvlink_gen_for
     from ..topology.model import Device, Link, Nic, all_pairs, nvlink_domains
 
-    devices, links, nics, mem = [], [], [], []
+    devices: list[Device] = []
+    links: list[Link] = []
+    nics: list[Nic] = []
+    mem: list[tuple[int, int]] = []
     offset: list[int] = []
     for m, p in enumerate(parts):
         offset.append(len(devices))

@@ -108,10 +108,11 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         raise PlanError(f"cannot lay out ranks: {error}") from error
     constraints = Constraints.from_config(cfg)
     result = search(ctx, wirings, constraints, tp_heads)
-    if result.best is None:
-        raise PlanError(nothing_plannable(cfg, wirings, constraints, shape, result))
-    suggestion = "" if result.fits else _unforced_suggestion(ctx, wirings, constraints, tp_heads, result, spec)
     best, cluster_layout = result.best, result.layout
+    # The search lays out the ranks of the plan it chooses: it returns both or neither.
+    if best is None or cluster_layout is None:
+        raise PlanError(nothing_plannable(cfg, wirings, constraints, shape, result))
+    suggestion = "" if result.fits else _unforced_suggestion(ctx, wirings, constraints, tp_heads, result, best, spec)
     if result.fits:
         reason = f"fastest plan that fits; {fit_reason(best, ctx, True)}"
     else:
@@ -133,7 +134,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
         execution=replace(best.execution, sync_algorithm=best.sync.algorithm, bucket_mb=best.sync.bucket_mb),
         micro_batch_size=best.choice.micro_batch,
         grad_accum_steps=best.sync.grad_accum_steps,
-        alternatives=_alternatives(result, ctx),
+        alternatives=_alternatives(result, best, ctx),
         explanation=tuple(explain(result, ctx, constraints, topology, suggestion) + unlisted(topology, cfg)
                           + [f"compile: {compiled.reason}"] + gain_note
                           + describe_domains(view, real) + nic_notes + [f"left out: {x}" for x in left_out]),
@@ -142,9 +143,8 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
     )
 
 
-def _alternatives(result: SearchResult, ctx: JobContext) -> tuple[Alternative, ...]:
-    """The runners-up, each against the chosen plan, then the rejected candidates."""
-    best = result.best
+def _alternatives(result: SearchResult, best: Estimate, ctx: JobContext) -> tuple[Alternative, ...]:
+    """The runners-up, each against the chosen plan `best`, then the rejected candidates."""
     return tuple([alternative(runner_up, runner_up.fits(ctx.usable_bytes), best, ctx)
                   for runner_up in result.runners_up[:MAX_ALTERNATIVES]]
                  + [Alternative(strategy=rejected.strategy, mesh=rejected.mesh, fits=False, reason=rejected.reason)
@@ -165,8 +165,8 @@ def _tp_heads(cfg: JobConfig, shape: ModelShape, spec: ModelSpec | None) -> int:
 
 
 def _unforced_suggestion(ctx: JobContext, wirings: Wirings, constraints: Constraints, tp_heads: int,
-                         result: SearchResult, spec: ModelSpec | None) -> str:
-    """For a forced plan that does not fit: the plan that fits without the forced choices, in
+                         result: SearchResult, best: Estimate, spec: ModelSpec | None) -> str:
+    """For a forced plan `best` (the result's) that does not fit: the plan that fits without the forced choices, in
     words. ModelTooLarge when none fits at all; PlanError when a forced accumulation sync is
     all that keeps it from fitting."""
     free = search(ctx, wirings, Constraints(allow_compression=constraints.allow_compression), tp_heads) \
@@ -177,7 +177,7 @@ def _unforced_suggestion(ctx: JobContext, wirings: Wirings, constraints: Constra
     if constraints.accum_sync is not None:
         relaxed = search(ctx, wirings, replace(constraints, accum_sync=None), tp_heads)
         if relaxed.best is not None and relaxed.fits:
-            raise PlanError(forced_accum_does_not_fit(result.best, relaxed.best, ctx, constraints.accum_sync))
+            raise PlanError(forced_accum_does_not_fit(best, relaxed.best, ctx, constraints.accum_sync))
     choice = free.best.choice
     return (f"without the forced choices, {choice.strategy} on {choice.mesh} with micro-batch "
             f"{choice.micro_batch} and recompute {choice.recompute} fits ({_gb(free.best.memory.total)} per rank)")

@@ -227,6 +227,7 @@ def _arrange(items: list[tuple[int, ...]], k: int, closed: bool, variants: bool,
                  sum(s[3] for _, s in groups))
         if _better(score, best_score):
             best, best_score = groups, score
+    assert best is not None, "every cut of the items into groups of k yields at least one partition"
     flat = [tuple(x for it in grp for x in it) for grp, _ in best]
     return flat, best_score
 

@@ -289,8 +289,10 @@ def rank_memory(
             continue
         phases += _fsdp_phases(states, moment, profile, buffers, idle)
     grads, activations, held_buffers = max(phases, key=sum)
-    parts = [int(round(x)) for x in (states.params, grads, states.optimizer, activations, held_buffers)]
-    return MemoryBreakdown(*parts, total=sum(parts))
+    params, grads_bytes, optimizer, activation_bytes, held_buffer_bytes = (
+        int(round(x)) for x in (states.params, grads, states.optimizer, activations, held_buffers))
+    return MemoryBreakdown(params, grads_bytes, optimizer, activation_bytes, held_buffer_bytes,
+                           total=params + grads_bytes + optimizer + activation_bytes + held_buffer_bytes)
 
 
 def _fsdp_phases(states: StateBytes, moment: Moment, profile: ActivationBytes, buffers: float,

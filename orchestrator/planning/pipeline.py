@@ -175,13 +175,14 @@ def split_layers(shape: ModelShape, chunks: int) -> tuple[int, ...]:
         return (n,)
     head = head_cost_in_blocks(shape)
     # Smallest bottleneck over the last chunk's block count k; the rest split evenly.
-    best = None
+    best: tuple[float, int] | None = None
     for k in range(1, n - chunks + 2):
         rest = n - k
         per = math.ceil(rest / (chunks - 1))
         worst = max(per, k + head)
         if best is None or worst < best[0]:
             best = (worst, k)
+    assert best is not None, "a model of more blocks than chunks has at least one last-chunk size to try"
     k = best[1]
     rest, others = n - k, chunks - 1
     # The remainder goes to the later chunks: the first one also holds the embeddings.

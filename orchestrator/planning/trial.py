@@ -130,12 +130,13 @@ def candidates(cfg: JobConfig, topology: ClusterTopology, planned: Plan, limit: 
     blind_cfg = equal_links(cfg, topology)
     if blind_cfg is not None:
         blind = plan_for(blind_cfg)
-        priced = plan_for(pinned(cfg, blind)) if blind is not None else None
-        if priced is not None and signature(priced) not in seen:
-            seen.add(signature(priced))
-            out.append(Candidate("equal links", priced,
-                                 f"what a search that sees every link alike runs ({blind.strategy} on {blind.mesh}, "
-                                 f"{blind.execution.sync_algorithm} sync)"))
+        if blind is not None:
+            priced = plan_for(pinned(cfg, blind))
+            if priced is not None and signature(priced) not in seen:
+                seen.add(signature(priced))
+                out.append(Candidate("equal links", priced,
+                                     f"what a search that sees every link alike runs ({blind.strategy} on "
+                                     f"{blind.mesh}, {blind.execution.sync_algorithm} sync)"))
     for alt in planned.alternatives:
         if len(out) >= limit:
             break

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -91,7 +92,7 @@ def exposed_split(samples: dict[int, list[tuple[float, float | None]]]) -> tuple
 
 
 def compile_record(plan: Plan, rows: list[dict[str, Any]], finals: list[dict[str, Any]],
-                   setups: list[dict[str, Any]] = ()) -> dict[str, Any]:
+                   setups: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What compiling the blocks cost and bought against the plan's figures. Where the ranks
     timed their compute-only pass compiled and eager (`StepTimer.calibrate`): the slowest
     rank's compile, the pass's speedup and the blocks' own (`block_speedup`), the medians over
