@@ -22,9 +22,9 @@ MIN_STEPS = 5
 class StragglerTracker:
     """Per-rank (step_s, exposed_comm_s) samples, as the ranks report them in batches."""
 
-    samples: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    samples: dict[int, list[tuple[float, float | None]]] = field(default_factory=dict)
 
-    def add(self, rank: int, times: list[tuple[float, float]]) -> None:
+    def add(self, rank: int, times: list[tuple[float, float | None]]) -> None:
         self.samples.setdefault(rank, []).extend(times)
 
     def report(self, where: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

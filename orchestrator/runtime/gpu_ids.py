@@ -7,6 +7,7 @@ A UUID is looked up through NVML: a GPU's own index, a MIG instance's parent GPU
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,17 +21,18 @@ def gpu_indices(gpu_ids: Sequence[str | int], nvml: Any | None = None) -> list[i
     indices = [int(g) for g in gpu_ids if not str(g).startswith(UUID_PREFIXES)]
     if len(indices) == len(gpu_ids):
         return indices
-    if nvml is None:
+    nv = nvml
+    if nv is None:
         try:
-            import pynvml as nvml
+            nv = importlib.import_module("pynvml")
         except ImportError as e:
             raise RuntimeError(f"GPU ids {list(gpu_ids)} are UUIDs and NVML (nvidia-ml-py) is not installed to "
                                "map them to device indices") from e
-    nvml.nvmlInit()
+    nv.nvmlInit()
     try:
-        return [int(g) if not str(g).startswith(UUID_PREFIXES) else _index_of(nvml, str(g)) for g in gpu_ids]
+        return [int(g) if not str(g).startswith(UUID_PREFIXES) else _index_of(nv, str(g)) for g in gpu_ids]
     finally:
-        nvml.nvmlShutdown()
+        nv.nvmlShutdown()
 
 
 def _index_of(nvml: Any, uuid: str) -> int:
