@@ -89,6 +89,7 @@ def test_cpu_smoke_writes_every_part_through_write_result(smoke):
     assert all(f"{part}: done" in log for part in IN_PROCESS) and "per-rank memory" in log
 
 
+@pytest.mark.slow
 def test_cpu_smoke_checks_the_torch_apis_the_parts_call(smoke):
     data = _result(smoke[0], "torch_api")
     assert data["missing"] == [] and data["modules_failing"] == []
@@ -707,6 +708,7 @@ def _untracked() -> set[str]:
     return set(res.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_nothing_is_written_outside_the_results_and_the_temporary_folder(tmp_path):
     # A home of its own (caches such as ~/.cache/orchestrator would land there) and the working
     # tree's files, ignored ones too (bytecode, run directories), before and after.

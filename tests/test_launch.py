@@ -35,6 +35,7 @@ def two_ranks(tmp_path_factory):
     return lines, root
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_plan_train_evaluate_and_checkpoint_through_the_shared_loop(two_ranks):
     lines, root = two_ranks
     assert lines[0]["step"] == 0 and set(lines[0]) == {"step", "val_loss"}  # the untrained model's baseline
