@@ -10,7 +10,9 @@ may).
 Backward compatibility is stated per field: a key an older file lacks takes the field's
 default, or the value its `OLDER_FILES` metadata names where files written before the field
 existed meant something else than the default does now. A key without either that a file
-lacks, and a key the class has no field for, are errors that name them.
+lacks, and a key the class has no field for, are errors that name them. A class that lists
+keys in `PLAIN_OMIT_AT_DEFAULT` writes them only where they differ from their defaults, so files
+of the things that do not use a newer field read exactly as before.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def from_plain(cls: type, data: dict[str, Any]) -> Any:
 _AS_IS = frozenset({str, int, float, bool, type(None)})
 """Types JSON holds as they are."""
 
+_NO_DEFAULT = object()
+"""Stands for "no default to omit at" (a key outside `PLAIN_OMIT_AT_DEFAULT`)."""
+
 
 _WRITERS: dict[type, Callable[[Any], Any]] = {}
 _READERS: dict[type, Callable[[dict[str, Any]], Any]] = {}
@@ -61,8 +66,14 @@ def _make_writer(kind: type) -> Callable[[Any], Any]:
         return lambda value: value.value
     if dataclasses.is_dataclass(kind):
         keys = getattr(kind, "PLAIN_KEYS", None) or tuple(spec.name for spec in dataclasses.fields(kind) if spec.init)
-        return lambda value: {key: item if type(item := getattr(value, key)) in _AS_IS else _writer(type(item))(item)
-                              for key in keys}
+        defaults = {spec.name: spec.default for spec in dataclasses.fields(kind)
+                    if spec.name in getattr(kind, "PLAIN_OMIT_AT_DEFAULT", ())}
+        if not defaults:
+            return lambda value: {key: item if type(item := getattr(value, key)) in _AS_IS
+                                  else _writer(type(item))(item) for key in keys}
+        return lambda value: {key: item if type(item) in _AS_IS else _writer(type(item))(item)
+                              for key in keys
+                              if (item := getattr(value, key)) != defaults.get(key, _NO_DEFAULT)}
     if issubclass(kind, (list, tuple)):
         return lambda value: [item if type(item) in _AS_IS else _writer(type(item))(item) for item in value]
     if issubclass(kind, dict):

@@ -342,7 +342,7 @@ def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True) ->
         raise ValueError(f"the mesh {mesh} has {world} ranks, the cluster {g * len(wirings.node_index)} devices")
     shape_in = in_node_shape(mesh, g)
     pp_in, rep_in = shape_in.pp, shape_in.dp_replicate
-    spans = tuple(full > inside for full, inside in zip(mesh.shape, shape_in.shape))
+    spans = tuple(mesh.size(axis) > shape_in.size(axis) for axis in ("pp", "dp_replicate", "dp_shard", "tp"))
     # Stages sharing a node are laid out as outer replicas; their own links are measured below.
     three = (pp_in * rep_in, shape_in.dp_shard, shape_in.tp)
     layouts = tuple(node_layout(w, three, (spans[0] or spans[1],) + spans[2:], topology_aware) for w in wirings.unique)

@@ -16,16 +16,25 @@ from typing import ClassVar
 
 from ..serialize import from_plain, to_plain
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-"""The mesh axes, outermost first."""
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The dense mesh's axes, outermost first (torchtitan's order: context parallelism sits between
+the shard axis and tp, so a cp group is the next-adjacent ranks after a tp group)."""
+
+EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")
+"""The expert mesh's axes: a second factorisation of the same ranks, as torchtitan's sparse
+mesh. `ep` borrows from `dp_shard x cp x tp` and is innermost, so an expert-parallel group is
+adjacent ranks (the ones placement puts on one NVLink island); experts are FSDP-sharded over
+`efsdp`, what remains of `dp_shard x cp x tp`."""
 
 
 @dataclass(frozen=True)
 class Mesh:
     """Ranks along each axis; their product is the world size."""
 
-    PLAIN_KEYS: ClassVar[tuple[str, ...]] = AXES
-    """JSON writes the axes outermost first, as `shape` lists them."""
+    PLAIN_KEYS: ClassVar[tuple[str, ...]] = AXES + ("ep",)
+    """JSON writes the axes outermost first, as `shape` lists them, then the expert axis."""
+    PLAIN_OMIT_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("cp", "ep")
+    """Written only above one, so a plan without context or expert parallelism reads as before."""
 
     dp_replicate: int = 1
     """Replicas of the model states (DDP's data parallelism, HSDP's replica groups)."""
@@ -36,12 +45,21 @@ class Mesh:
     pp: int = 1
     """Pipeline stages, each holding a contiguous run of blocks (the outermost axis; declared
     last so that `Mesh(dp_replicate, dp_shard, tp)` keeps meaning what it always meant)."""
+    cp: int = 1
+    """Context-parallel ranks, which split every sequence (and so the activations) between
+    them; they take the same samples, and model states are sharded over `dp_shard x cp`."""
+    ep: int = 1
+    """Expert-parallel ranks, each holding `1/ep` of every MoE layer's experts. Not a factor of
+    the world size: it borrows from `dp_shard x cp x tp` (see `EXPERT_AXES`)."""
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in AXES + ("ep",):
             size = getattr(self, axis)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"mesh axis {axis} must be a positive integer, got {size!r}")
+        if self.borrowable % self.ep:
+            raise ValueError(f"mesh axis ep={self.ep} must divide dp_shard x cp x tp "
+                             f"({self.dp_shard} x {self.cp} x {self.tp} = {self.borrowable}), the ranks it borrows")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,7 +68,22 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def borrowable(self) -> int:
+        """The ranks of one replica of one stage, which the expert axis refactors."""
+        return self.dp_shard * self.cp * self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks each expert is FSDP-sharded over: what `ep` leaves of `dp_shard x cp x tp`."""
+        return self.borrowable // self.ep
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        """Sizes in `EXPERT_AXES` order, for the expert mesh's `init_device_mesh`."""
+        return (self.pp, self.dp_replicate, self.efsdp, self.ep)
 
     @property
     def dp(self) -> int:
@@ -58,8 +91,8 @@ class Mesh:
         return self.dp_replicate * self.dp_shard
 
     def size(self, axis: str) -> int:
-        if axis not in AXES:
-            raise KeyError(f"mesh axes are {', '.join(AXES)}; got {axis!r}")
+        if axis not in AXES + ("ep", "efsdp"):
+            raise KeyError(f"mesh axes are {', '.join(AXES + ('ep', 'efsdp'))}; got {axis!r}")
         return getattr(self, axis)
 
     def to_dict(self) -> dict[str, int]:
@@ -67,19 +100,19 @@ class Mesh:
 
     @classmethod
     def from_dict(cls, d: dict[str, int]) -> "Mesh":
-        unknown = set(d) - set(AXES)
+        unknown = set(d) - set(cls.PLAIN_KEYS)
         if unknown:
-            raise ValueError(f"mesh axes are {', '.join(AXES)}; got {', '.join(sorted(unknown))}")
+            raise ValueError(f"mesh axes are {', '.join(cls.PLAIN_KEYS)}; got {', '.join(sorted(unknown))}")
         return from_plain(cls, d)
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """The rank sets varying along each axis, in init_device_mesh's numbering (pp only
-        when the mesh has more than one stage, so plans without a pipeline read as before)."""
+        """The rank sets varying along each axis, in init_device_mesh's numbering (pp, cp and ep
+        only when they have more than one rank, so plans without them read as before)."""
         sizes = self.shape
         strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
         out = {}
         for i, axis in enumerate(AXES):
-            if axis == "pp" and self.pp == 1:
+            if axis in _OPTIONAL_AXES and sizes[i] == 1:
                 continue
             others = [range(n) for j, n in enumerate(sizes) if j != i]
             rows = []
@@ -87,10 +120,18 @@ class Mesh:
                 base = sum(k * strides[j] for k, j in zip(idx, [j for j in range(len(sizes)) if j != i]))
                 rows.append([base + k * strides[i] for k in range(sizes[i])])
             out[axis] = rows
+        if self.ep > 1:
+            # ep is innermost on the expert mesh: runs of `ep` consecutive ranks.
+            out["ep"] = [list(range(start, start + self.ep)) for start in range(0, self.world_size, self.ep)]
         return out
 
     def __str__(self) -> str:
-        return " x ".join(f"{a}={getattr(self, a)}" for a in AXES if a != "pp" or self.pp > 1)
+        shown = [f"{a}={getattr(self, a)}" for a in AXES if a not in _OPTIONAL_AXES or getattr(self, a) > 1]
+        return " x ".join(shown + ([f"ep={self.ep}"] if self.ep > 1 else []))
+
+
+_OPTIONAL_AXES = ("pp", "cp")
+"""Axes left out of `groups()` and `str()` at size one, so plans without them read as before."""
 
 
 @dataclass(frozen=True)
