@@ -41,3 +41,21 @@ def test_cp_and_ep_are_written_only_above_one_and_read_back_with_their_defaults(
     assert Mesh.from_dict(wide.to_dict()) == wide
     with pytest.raises(ValueError, match="got sp"):
         Mesh.from_dict({"sp": 2})
+
+
+def test_an_expert_spec_counts_active_parameters_and_mixed_blocks():
+    from orchestrator.planning.model_spec import ExpertSpec, ModelSpec
+
+    hidden = 8
+    experts = ExpertSpec(experts=4, top_k=2, expert_hidden=16, moe_blocks=2, dense_block_params=500)
+    moe_block = 100 + experts.routed_params_per_block(hidden)  # attention and router + 4 x 3 x 8 x 16
+    acts = {"none": 1.0, "selective": 1.0, "full": 1.0}
+    spec = ModelSpec(name="m", params=2 * moe_block + 500 + 64, blocks=3, block_class="B",
+                     block_params=moe_block, root_params=64, hidden=hidden, heads=1, kv_heads=1, vocab=8, seq=8,
+                     forward_flops_per_token=1.0, block_forward_flops_per_token=1.0, block_activation_bytes=acts,
+                     root_activation_bytes=1.0, backward_transient_bytes=acts, tp_sharded_activation_fraction=None,
+                     tp_sharded_params=0, tp_plan=False, tied_embeddings=False, experts=experts)
+    assert spec.active_params == spec.params - 2 * 2 * 3 * 8 * 16
+    assert "experts" in spec.to_dict()
+    with pytest.raises(ValueError, match="top_k=5 must be at most the 4 experts"):
+        ExpertSpec(experts=4, top_k=5, expert_hidden=16, moe_blocks=1)
