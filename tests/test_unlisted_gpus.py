@@ -80,3 +80,27 @@ def test_nvml_names_of_current_parts_find_their_datasheet_entries(nvml, entry, t
     spec = lookup(nvml)
     assert spec is not None and spec.name == entry
     assert (spec.peak_tflops, spec.memory_bytes) == (tflops, memory_gb * GB)
+
+
+def test_a_measured_rate_prices_the_plan_and_the_datasheet_peak_stays_mfus_yardstick():
+    # A probe under cluster.measure=true that found an H100 at 750 TFLOP/s plans with 750, but
+    # MFU divides by the datasheet's 989: against the measured rate it would read 989/750 high.
+    from types import SimpleNamespace
+
+    from orchestrator.runtime.step_timer import StepTimer
+
+    topo = _cluster("NVIDIA H100 80GB HBM3", measured_tflops=750.0)
+    plan = plan_job(load_config(JOB, ["train.precision=bf16"]), topo)
+    assert plan.model.peak_tflops_per_rank == 750.0
+    assert plan.model.mfu_peak_tflops_per_rank == lookup("H100").peak_tflops == 989.0
+    assert plan.to_dict()["model"]["datasheet_tflops_per_rank"] == 989.0
+    trainer = SimpleNamespace(plan=plan, compiled=False, cfg=SimpleNamespace(train=SimpleNamespace(max_steps=5)))
+    step_s = plan.model.flops_per_step / plan.world_size / 989e12 / 0.4  # a step at 40% of the datasheet peak
+    assert StepTimer(trainer).mfu(SimpleNamespace(step_s=step_s)) == pytest.approx(0.4)
+    # Unmeasured, the two are one figure and plan.json reads as before.
+    plain = plan_job(load_config(JOB, ["train.precision=bf16"]), _cluster("NVIDIA H100 80GB HBM3"))
+    assert plain.model.mfu_peak_tflops_per_rank == plain.model.peak_tflops_per_rank == 989.0
+    assert "datasheet_tflops_per_rank" not in plain.to_dict()["model"]
+    # An unlisted GPU has no datasheet: its measured rate is all there is.
+    unlisted = plan_job(load_config(JOB, []), _cluster("NVIDIA MI-Future 9000", measured_tflops=420.0))
+    assert unlisted.model.mfu_peak_tflops_per_rank == 420.0

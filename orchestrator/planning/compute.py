@@ -50,6 +50,15 @@ class DeviceSpeed:
     """Device memory (the probe's figure over the table's)."""
     sms: int = 0
     """Streaming multiprocessors (0: unknown; GEMMs are then priced without wave quantization)."""
+    datasheet_tflops: float = 0.0
+    """The datasheet's peak at the run's precision, which MFU is measured against (a measured
+    rate prices plans better but would flatter MFU); 0: the same as `peak_tflops` (a device
+    planned from its table figure, or a CPU slot, which has no datasheet)."""
+
+    @property
+    def mfu_peak_tflops(self) -> float:
+        """The peak MFU divides by: the datasheet's, else the planning peak."""
+        return self.datasheet_tflops or self.peak_tflops
 
 
 def device_speed(device: Device, precision: str, fallback_gpu: str | None = None) -> DeviceSpeed:
@@ -64,10 +73,13 @@ def device_speed(device: Device, precision: str, fallback_gpu: str | None = None
     mem_gbps = spec.mem_gbps
     # A probe that measured the device's matmul rate replaces the table's peak.
     name = spec.name
+    datasheet = 0.0
     if device.measured_tflops:
+        # A CPU slot's table figure is a placeholder, not a datasheet: its measured rate is its peak.
+        datasheet = peak if device.kind != "cpu" and spec is not UNLISTED_GPU else 0.0
         peak, name = float(device.measured_tflops), f"{spec.name} (measured)"
     memory = device.memory_bytes or spec.memory_bytes
-    return DeviceSpeed(name, peak, mem_gbps, int(memory), spec.sms)
+    return DeviceSpeed(name, peak, mem_gbps, int(memory), spec.sms, datasheet)
 
 
 def unlisted_note(device: Device, where: str, fallback_gpu: str | None = None) -> str | None:

@@ -68,7 +68,7 @@ def _context(cfg: JobConfig, topo: ClusterTopology, shape: ModelShape,
         speeds += [device_speed(d, cfg.train.precision, cfg.cluster.gpu) for d in node.devices]
     speed = min(speeds, key=lambda s: (s.peak_tflops, s.memory_bytes))
     memory = min(s.memory_bytes for s in speeds)
-    speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory, speed.sms)
+    speed = DeviceSpeed(speed.name, speed.peak_tflops, speed.mem_gbps, memory, speed.sms, speed.datasheet_tflops)
     cluster = cfg.cluster
     net_gbps = topo.network.bandwidth_gbps if cluster.inter_node_gbps is None else cluster.inter_node_gbps
     net_lat = topo.network.latency_us if cluster.inter_node_latency_us is None else cluster.inter_node_latency_us
@@ -187,6 +187,7 @@ def _model_summary(ctx: JobContext, spec: ModelSpec | None) -> ModelSummary:
     shape = ctx.shape
     return ModelSummary(params=ctx.params, flops_per_step=model_flops_per_step(shape, ctx.global_batch),
                         peak_tflops_per_rank=ctx.speed.peak_tflops, name=spec.name if spec else "gpt",
+                        datasheet_tflops_per_rank=ctx.speed.datasheet_tflops,
                         blocks=shape.layers, block_class=spec.block_class if spec else "Block",
                         tp_plan=shape.tp_capable)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ..choices import Compression, Recompute, Strategy
 from ..serialize import from_plain, to_plain
@@ -30,7 +30,7 @@ class ModelSummary:
     flops_per_step: float
     """Model FLOPs of one optimizer step (MFU's numerator)."""
     peak_tflops_per_rank: float
-    """The device peak the compute model used; MFU is measured against it."""
+    """The device peak the compute model used (a measured matmul rate where the probe took one)."""
     name: str = "gpt"
     """The model's factory (`module:callable`) or architecture; `gpt` for the built-in GPT."""
     blocks: int = 0
@@ -39,6 +39,17 @@ class ModelSummary:
     """Class name of the repeated block."""
     tp_plan: bool = True
     """Whether the model declares a tensor-parallel plan (without one the plan keeps tp=1)."""
+    datasheet_tflops_per_rank: float = 0.0
+    """The device's datasheet peak, which MFU is measured against; 0 where it is
+    `peak_tflops_per_rank` itself (a device planned from its table figure, or a CPU slot)."""
+
+    PLAIN_OMIT_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("datasheet_tflops_per_rank",)
+    """A plan whose peak is the datasheet's reads as before."""
+
+    @property
+    def mfu_peak_tflops_per_rank(self) -> float:
+        """What MFU divides by: the datasheet's peak, not a measured rate that would flatter it."""
+        return self.datasheet_tflops_per_rank or self.peak_tflops_per_rank
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)

@@ -58,8 +58,9 @@ class StepTimer:
         """Which of the `gain_steps` this rank trained each way, as completed-step numbers (the
         `step` of their metrics rows)."""
         self._flops_per_rank_step = plan.model.flops_per_step / plan.world_size
-        # MFU against the peak the planner assumed, so plan and measurement share one yardstick.
-        self._peak_flops = plan.model.peak_tflops_per_rank * 1e12
+        # MFU against the datasheet's peak, as MFU is quoted everywhere; the planner may have
+        # priced with a measured rate, which is lower and would flatter it.
+        self._peak_flops = plan.model.mfu_peak_tflops_per_rank * 1e12
 
     def gain_mode(self, step: int) -> str | None:
         """How step `step` (from 0) runs its blocks to time the compile gain: `eager`, `compiled`,
@@ -89,7 +90,7 @@ class StepTimer:
         return max(0.0, result.step_s - result.optimizer_s - self.trainer.accum * self.compute_micro_s)
 
     def mfu(self, result: StepResult) -> float | None:
-        """The share of the planner's peak FLOP/s this rank's step achieved; None without a peak."""
+        """The share of the device's datasheet peak FLOP/s this rank's step achieved; None without a peak."""
         if not self._peak_flops:
             return None
         return self._flops_per_rank_step / result.step_s / self._peak_flops
