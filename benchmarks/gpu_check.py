@@ -380,7 +380,8 @@ def read_run(run_dir: Path, launched: float) -> dict[str, Any]:
         raise RuntimeError(f"{run_dir / 'metrics.jsonl'} records no step")
     step_s = steady_mean([r["step_s"] for r in rows])
     model = plan["model"]
-    peak = model["peak_tflops_per_rank"] * 1e12
+    # MFU against the datasheet peak, which a plan priced from a measured rate states apart.
+    peak = (model.get("datasheet_tflops_per_rank") or model["peak_tflops_per_rank"]) * 1e12
     mfu = model["flops_per_step"] / plan["world_size"] / step_s / peak if peak else None
     metric_mfu = [r["mfu"] for r in rows if r.get("mfu") is not None]
     return {
@@ -625,7 +626,7 @@ def step_case(check: Check, label: str, overrides: list[str], steps: int) -> dic
     if "error" in row:
         return row
     measured = row["measured_step_s"]
-    peak = plan.model.peak_tflops_per_rank * 1e12
+    peak = plan.model.mfu_peak_tflops_per_rank * 1e12
     row.update(ratio=measured / row["predicted_step_s"], rel_error=rel_error(row["predicted_step_s"], measured),
                tokens_per_s=row["tokens_per_step"] / measured,
                mfu=plan.model.flops_per_step / measured / peak if peak else None)

@@ -24,7 +24,7 @@ class _Trainer:
         self.rank = rank
         self.cfg = SimpleNamespace(train=SimpleNamespace(max_steps=max_steps))
         self.plan = SimpleNamespace(compile=SimpleNamespace(measured=measured), world_size=2,
-                                    model=SimpleNamespace(flops_per_step=4e9, peak_tflops_per_rank=20.0))
+                                    model=SimpleNamespace(flops_per_step=4e9, mfu_peak_tflops_per_rank=20.0))
         self.compiled = compiled
         self.accum = 2
         self.trained: list[int] = []
@@ -146,6 +146,6 @@ def test_exposed_communication_is_what_compute_and_the_update_leave_and_never_ne
     assert timer.exposed_comm_s(result) is None  # no compute-only baseline: nothing to read against
     timer.compute_micro_s = 0.06
     assert timer.exposed_comm_s(result) == 0.0  # 0.1 - 0.02 - 2 x 0.06 < 0
-    trainer.plan.model.peak_tflops_per_rank = 0.0
+    trainer.plan.model.mfu_peak_tflops_per_rank = 0.0
     assert StepTimer(trainer).mfu(result) is None
     assert step_timer.CALIBRATION_BUDGET_S > 0 and step_timer.COMPILE_PASSES >= 1
