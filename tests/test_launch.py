@@ -105,3 +105,67 @@ def test_a_bad_key_is_one_line_from_rank_0_and_the_launch_fails():
     assert done.returncode != 0
     said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(said) == 1 and "train.max_steps" in said[0], done.stderr[-2000:]
+
+
+class _Store:
+    """torchrun's store as the launch uses it: set by one rank, read (after it) by every rank."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.kept[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.kept[key]
+
+
+def test_rank_0s_plan_reaches_every_rank_through_the_store_before_any_group_forms(monkeypatch):
+    from orchestrator.config import load_config
+    from orchestrator.errors import UserError
+    from orchestrator.runtime import launch
+
+    cfg = load_config(ROOT / "jobs" / "llm.yaml", TINY)
+    planned = []
+    monkeypatch.setattr(launch, "plan_here", lambda c, world: planned.append(world) or _tiny_plan(c, world))
+    store = _Store()
+    first = launch.agreed_plan(cfg, 0, 2, store)
+    other = launch.agreed_plan(cfg, 1, 2, store)
+    assert planned == [2] and other == first and other.world_size == 2  # planned once, by rank 0
+    assert launch.rank_device(other, 1).type == "cpu"
+
+    def refuse(c, world):
+        raise UserError("the plan does not fit: 9 GB per rank")
+
+    monkeypatch.setattr(launch, "plan_here", refuse)
+    refused = _Store()
+    with pytest.raises(UserError, match="^the plan does not fit: 9 GB per rank$"):
+        launch.agreed_plan(cfg, 0, 2, refused)
+    with pytest.raises(UserError, match="^the plan does not fit: 9 GB per rank$"):
+        launch.agreed_plan(cfg, 1, 2, refused)
+
+
+def test_a_gpu_plan_in_a_process_without_cuda_is_one_line(monkeypatch):
+    import torch
+
+    from orchestrator.config import load_config
+    from orchestrator.errors import UserError
+    from orchestrator.runtime import launch
+
+    plan = _tiny_plan(load_config(ROOT / "jobs" / "llm.yaml", TINY), 2, gpu=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="^rank 1: the plan is for GPUs but this process has no CUDA device"):
+        launch.rank_device(plan, 1)
+
+
+def _tiny_plan(cfg, world: int, gpu: bool = False):
+    from orchestrator.planning import plan_job
+    from orchestrator.planning.describe import describe_cluster
+    from orchestrator.topology.files import load_topology_file
+    from orchestrator.topology.model import ClusterTopology, Network, cpu_node
+
+    if gpu:
+        node = load_topology_file(ROOT / "tests" / "fixtures" / "topology" / "topo_4gpu_pcie_pxb_pix_nccl667.txt")
+        node.devices = node.devices[:world]
+        return plan_job(cfg, describe_cluster(node, 1, Network(25.0, 10.0), "A100"))
+    return plan_job(cfg, ClusterTopology(nodes=[cpu_node(world)]))

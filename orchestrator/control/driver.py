@@ -264,6 +264,8 @@ class JobDriver:
                     for r, a in enumerate(actors)
                 ])
         except (RayActorError, RayTaskError) as e:
+            if (mistake := supervise.user_error_of(e)) is not None:
+                raise mistake from None
             attempt.ended = Failed(supervise.failure_from_error(e, placement))
             return Stage.RECOVER
         for report, setup in zip(placement.reports, setups):

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from ..errors import UserError
 from ..record.rundir import RunDir
 from .failures import WorkerFailure
 
@@ -131,6 +132,14 @@ def save_stacks(actors: list[Any], out_dir: Path, timeout_s: float = PING_TIMEOU
 
 def _nodes_of(placement, ranks: list[int]) -> list[str]:
     return sorted({placement.reports[r]["node_id"] for r in ranks}) if placement.reports else []
+
+
+def user_error_of(err: BaseException) -> UserError | None:
+    """The mistake a rank reported in one line (a GPU plan on a node without CUDA, say), which no
+    restart mends: the run stops with it as it is, not as a failure to recover from; None for
+    anything else."""
+    cause = getattr(err, "cause", None)  # Ray's task error carries what the rank raised
+    return cause if isinstance(cause, UserError) else None
 
 
 def failure_from_error(err: Exception, placement, known_dead: dict[int, Exception] | None = None) -> WorkerFailure:

@@ -171,6 +171,8 @@ def _measure(cfg: JobConfig, c: Candidate, placement: Placement, topology, use_g
         refs = [a.trial.remote(steps) for a in actors]
         m.steps_s, m.steps_exposed_s = _summarise(_all(refs, timeout))
     except (RayActorError, RayTaskError, GetTimeoutError) as err:
+        if (mistake := supervise.user_error_of(err)) is not None:
+            raise mistake from None
         m.failed = (f"no step within {timeout:.0f} s" if isinstance(err, GetTimeoutError) else _one_line(err))
         _reset(placement, refs, e.leave_timeout_s, cfg.cluster.placement_timeout_s)
     return m

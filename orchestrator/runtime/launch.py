@@ -81,29 +81,43 @@ def plan_here(cfg: JobConfig, world: int) -> Plan:
     return plan
 
 
-def _agreed_plan(cfg: JobConfig, rank: int, world: int) -> Plan:
-    """Rank 0's plan, on every rank; rank 0's refusal (a UserError's one line) raised on every rank."""
-    import torch.distributed as dist
+PLAN_KEY = "orchestrator/plan"
+"""Where rank 0 leaves the plan (or its one-line refusal) in torchrun's store."""
 
-    made: list[Any] = [None]
+
+def agreed_plan(cfg: JobConfig, rank: int, world: int, store: Any) -> Plan:
+    """Rank 0's plan, on every rank, through torchrun's store before any process group forms (so
+    the group can start bound to the GPU the plan gives each rank); rank 0's refusal (a
+    UserError's one line) raised on every rank."""
     if rank == 0:
         try:
-            made = [plan_here(cfg, world).to_dict()]
+            made = json.dumps(plan_here(cfg, world).to_dict())
         except UserError as e:
-            made = [f"error: {e}"]
-    # Over gloo: an NCCL broadcast would bind the group's communicator to a device before the
-    # plan says which GPU each rank runs on.
-    dist.broadcast_object_list(made, src=0, group=None if dist.get_backend() == "gloo" else dist.new_group(
-        backend="gloo"))
-    if isinstance(made[0], str):
-        raise UserError(made[0].removeprefix("error: "))
-    return Plan.from_dict(made[0])
+            made = json.dumps(f"error: {e}")
+        store.set(PLAN_KEY, made)
+    agreed = json.loads(store.get(PLAN_KEY))  # waits for rank 0, up to the store's timeout
+    if isinstance(agreed, str):
+        raise UserError(agreed.removeprefix("error: "))
+    return Plan.from_dict(agreed)
 
 
-def run(cfg: JobConfig) -> dict[str, Any]:
-    """Plan, build and train `cfg` on this torchrun world (its process group already formed);
-    rank 0's answer: the last validation loss and the loop's own work per step."""
+def rank_device(plan: Plan, rank: int) -> Any:
+    """The device rank `rank` trains on: the GPU the plan lays it on (its layout keeps tp groups on
+    the fastest links), numbered as NVML and the plan number them (`main` sets PCI bus order);
+    a CPU slot where the plan is for CPUs."""
     import torch
+
+    if plan.execution.device != "gpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"rank {rank}: the plan is for GPUs but this process has no CUDA device (a CPU build of "
+                        "torch, or no driver)")
+    return torch.device("cuda", plan.ranks[rank].gpu)
+
+
+def run(cfg: JobConfig, plan: Plan, device: Any) -> dict[str, Any]:
+    """Build and train `cfg` under `plan` on this torchrun world (its process group formed on
+    `device`); rank 0's answer: the last validation loss and the loop's own work per step."""
     import torch.distributed as dist
 
     from .checkpoint import writer_group
@@ -113,14 +127,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     from .trainer import Trainer
     from .validator import Validator
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    plan = _agreed_plan(cfg, rank, world)
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        # The GPU the plan lays this rank on (its layout keeps tp groups on the fastest links),
-        # numbered as NVML and the plan number them (`main` sets PCI bus order).
-        device = torch.device("cuda", plan.ranks[rank].gpu)
-        torch.cuda.set_device(device)
+    rank = dist.get_rank()
     checkpoints = cfg.checkpoint.path if cfg.checkpoint.enabled else None
     writers = writer_group() if checkpoints and cfg.checkpoint.async_save else None
     trainer = Trainer(cfg, plan, device)
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from .rendezvous import group_options
+
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0].startswith("-") or "=" in args[0]:
         print("usage: torchrun --nproc-per-node N -m orchestrator.runtime.launch JOB.yaml [key=value ...]",
@@ -161,9 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     # CUDA's device numbers as NVML's (PCI bus order), which the plan's ranks name: before
     # anything initialises CUDA in this process.
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    # The store torchrun's environment names, as init_process_group would make it; the plan
+    # travels through it first, so the group starts on the plan's device.
+    store, rank, world = next(dist.rendezvous("env://"))
     try:
-        answer = run(cfg)
+        plan = agreed_plan(cfg, rank, world, store)
+        device = rank_device(plan, rank)
+    except UserError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **group_options(backend, device))
+    try:
+        answer = run(cfg, plan, device)
     except UserError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -24,7 +24,9 @@ from typing import Any
 import ray
 
 from ..planning import Plan
+from ..topology.local import TOPOLOGY_FILE_ENV
 from .cpu_rate import keep_measured_cpu_rate
+from .device_choice import rank_device
 from .gpu_ids import gpu_indices
 from .messages import Message
 from .metrics import TrainMetrics
@@ -356,16 +358,14 @@ class Worker:
             node = ray.get_runtime_context().get_node_id()
             job_gpus = sorted({r.gpu for r in plan.ranks if r.node == node} | {gpus[0]})
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job_gpus))
-        if gpus and torch.cuda.is_available():
-            device = torch.device("cuda", job_gpus.index(gpus[0]))
+        chosen = rank_device(gpus[0] if gpus else None, job_gpus.index(gpus[0]) if gpus else None,
+                             torch.cuda.is_available(), os.environ.get(TOPOLOGY_FILE_ENV), self.rank)
+        device = torch.device(chosen.kind, chosen.index) if chosen.index is not None else torch.device("cpu")
+        if chosen.kind == "cuda":
             torch.cuda.set_device(device)
-            backend = "nccl"
-        else:
-            if gpus:
-                notes.append(f"Ray assigned GPU {gpus[0]} but this process has no CUDA device: "
-                             "running on CPU with gloo")
-            device = torch.device("cpu")
-            backend = "gloo"
+        backend = chosen.backend
+        if chosen.note:
+            notes.append(chosen.note)
         # Before the process group: NCCL reads its environment when the communicator starts.
         nccl_vars, nccl_notes = apply_nccl(nccl, ray.util.get_node_ip_address(), _pci_bus_id(gpus[0]) if gpus else None)
         notes += nccl_notes
