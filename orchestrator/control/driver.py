@@ -108,6 +108,21 @@ class Attempt:
     ended: Outcome | None = None
     """How the world started last ended (its setup failing is a `Failed` too)."""
 
+    def require_plannable(self) -> ClusterTopology:
+        """`plannable`, which every stage after PROBE has."""
+        assert self.plannable is not None, "the stages after PROBE plan on what the probe found"
+        return self.plannable
+
+    def require_plan(self) -> Plan:
+        """`plan`, which every stage after PLAN has."""
+        assert self.plan is not None, "the stages after PLAN run the plan it chose"
+        return self.plan
+
+    def require_placement(self) -> Placement:
+        """`placement`, which every stage after PLACE has (a recovery and a regrow included)."""
+        assert self.placement is not None, "the stages after PLACE run on the actors it placed"
+        return self.placement
+
 
 def run_job(
     cfg: JobConfig,
@@ -213,7 +228,7 @@ class JobDriver:
     def _plan(self) -> Stage:
         attempt = self.attempt
         t = time.monotonic()
-        attempt.plan = self._choose_plan(attempt.plannable, attempt.left_out, attempt.use_gpu)
+        attempt.plan = self._choose_plan(attempt.require_plannable(), attempt.left_out, attempt.use_gpu)
         self._phase("plan_s", time.monotonic() - t)
         return Stage.PLACE
 
@@ -221,7 +236,7 @@ class JobDriver:
         """One worker actor per rank in a placement group, each on its planned node and device:
         the workers started early where the plan runs on exactly their devices."""
         cfg, attempt = self.job.config, self.attempt
-        plan = attempt.plan
+        plan = attempt.require_plan()
         with self.view.status(f"placing {plan.world_size} workers") as waiting:
             claimed = (claim(attempt.early, plan, attempt.use_gpu, cfg.cluster.placement_timeout_s, waiting)
                        if attempt.early is not None else None)
@@ -229,21 +244,23 @@ class JobDriver:
                 plan, job=cfg.name, use_gpu=attempt.use_gpu, cpus_per_worker=cfg.cluster.cpus_per_worker,
                 threads_per_worker=_threads(cfg), timeout_s=cfg.cluster.placement_timeout_s, on_wait=waiting,
             )
-        for name, seconds in attempt.placement.timings.items():
+        placement = attempt.placement
+        for name, seconds in placement.timings.items():
             self._phase(name, seconds)
-        self.job.run.write_json("placement.json", attempt.placement.reports)
+        self.job.run.write_json("placement.json", placement.reports)
         return Stage.TRIAL if self.trial_section is None else Stage.START  # a restart trains what the trial chose
 
     def _trial(self) -> Stage:
         attempt = self.attempt
-        result = trial.conduct(self.job, attempt.plannable, attempt.topology, attempt.plan, attempt.placement,
+        placement = attempt.require_placement()
+        result = trial.conduct(self.job, attempt.plannable, attempt.topology, attempt.require_plan(), placement,
                                self.spec, self.model_fn, self.calibration, attempt.use_gpu, attempt.left_out)
         attempt.plan, self.trial_section = result.plan, result.section
         if result.kept is not None:
             self.trial_plan = result.kept
         if result.cost_s is not None:
             self._phase("trial_s", result.cost_s)
-        self.job.run.write_json("placement.json", attempt.placement.reports)
+        self.job.run.write_json("placement.json", placement.reports)
         return Stage.START
 
     def _start(self) -> Stage:
@@ -251,7 +268,7 @@ class JobDriver:
         driver's `resume`; what each set up for itself (the GPUs it exposes to NCCL, the CPUs
         it runs on, its NCCL environment) is added to placement.json."""
         cfg, run, attempt = self.job.config, self.job.run, self.attempt
-        plan, placement = attempt.plan, attempt.placement
+        plan, placement = attempt.require_plan(), attempt.require_placement()
         affinity = cpu_affinity(plan, attempt.topology)
         nccl = nccl_settings(plan, attempt.topology)
         actors = placement.actors
@@ -286,15 +303,16 @@ class JobDriver:
     def _follow(self) -> Stage:
         cfg, attempt = self.job.config, self.attempt
         grow = (lambda: devices_now(cfg)) if attempt.use_gpu else None
-        ended = follow(self.job, attempt.placement, attempt.plan, self.record, self.clock,
-                       attempt.setups[0]["start_step"], attempt.plannable.num_devices, grow)
+        placement = attempt.require_placement()
+        ended = follow(self.job, placement, attempt.require_plan(), self.record, self.clock,
+                       attempt.setups[0]["start_step"], attempt.require_plannable().num_devices, grow)
         attempt.ended = ended
         if not (isinstance(ended, Failed) and ended.before_first_step):
             self.clock = None  # the world's first step closed it
         if isinstance(ended, Finished):
             self.finals = ended.finals
-            ray.get([a.shutdown.remote() for a in attempt.placement.actors])
-            attempt.placement.release()
+            ray.get([a.shutdown.remote() for a in placement.actors])
+            placement.release()
             return Stage.DONE
         return Stage.RECOVER if isinstance(ended, Failed) else Stage.REGROW
 
@@ -308,12 +326,14 @@ class JobDriver:
         t = time.monotonic()
         decision = decide_recovery(failed.failure, self._recovery_state(failed), self.job.config)
         if isinstance(decision, KeepSurvivors):
-            decision = self._keep_survivors(failed, handled_unix_s, t)
-            if decision is None:
+            restart = self._keep_survivors(failed, handled_unix_s, t)
+            if restart is None:
                 return Stage.START
+            decision = restart
         t = time.monotonic()
-        heal.kill_silent(attempt.placement, failed.failure)
-        attempt.placement.release()
+        placement = attempt.require_placement()
+        heal.kill_silent(placement, failed.failure)
+        placement.release()
         teardown_s = time.monotonic() - t
         if isinstance(decision, GiveUp):
             self._give_up(decision, failed.failure)
@@ -335,7 +355,7 @@ class JobDriver:
         grown = self.attempt.ended
         assert isinstance(grown, Regrow), f"a regrow follows a grown world, not {type(grown).__name__}"
         decision = decide_recovery(grown, self._recovery_state(None), self.job.config)
-        self.attempt.placement.release()
+        self.attempt.require_placement().release()
         found = latest_whole_checkpoint(self.job.checkpoint_root, self.view.console)
         self.resume, step = found if found and found[1] > grown.step else (grown.checkpoint, grown.step)
         self.record.restarts.append(grown.restart_record(self.record.last_step, step))
@@ -349,7 +369,7 @@ class JobDriver:
 
     def _recovery_state(self, failed: Failed | None) -> RecoveryState:
         """What `decide_recovery` is told about the world that ended."""
-        placement = self.attempt.placement
+        placement = self.attempt.require_placement()
         return RecoveryState(
             world_size=len(placement.actors),
             training=failed is not None and failed.train_refs is not None,
@@ -365,8 +385,9 @@ class JobDriver:
         checkpoint, or None: step 0). None once done; the restart of the whole world, with
         why, where the survivors could not stay after all. `t`: when recovery began."""
         cfg, attempt, f = self.job.config, self.attempt, failed.failure
-        placement = attempt.placement
-        replaced, stuck, why = heal.leave(placement, f, failed.train_refs, cfg.elastic.leave_timeout_s)
+        placement, train_refs = attempt.require_placement(), failed.train_refs
+        assert train_refs is not None, "survivors are kept only where the ranks had started training"
+        replaced, stuck, why = heal.leave(placement, f, train_refs, cfg.elastic.leave_timeout_s)
         if why:
             return RestartWorld(why)
         teardown_s = time.monotonic() - t
@@ -374,8 +395,9 @@ class JobDriver:
             actor_start_s = placement.respawn(replaced, cfg.cluster.placement_timeout_s)
         except Exception as e:  # noqa: BLE001 - whatever stops them, the whole world restarts instead
             return RestartWorld(f"a replacement rank did not start ({type(e).__name__}: {str(e)[:160]})")
-        peers, rows, why_checkpoint = heal.from_memory(placement, replaced, attempt.plan.mesh, self.record.last_step,
-                                                       cfg.train.max_steps, cfg.elastic.leave_timeout_s)
+        peers, rows, why_checkpoint = heal.from_memory(placement, replaced, attempt.require_plan().mesh,
+                                                       self.record.last_step, cfg.train.max_steps,
+                                                       cfg.elastic.leave_timeout_s)
         if rows:  # the steps rank 0 had not sent when it failed: the survivors made the same rows
             consume([Stepped(row=row) for row in rows], self.record, self.job.run,
                     ProgressView(cfg.train.max_steps, self.view.console, enabled=False), cfg.monitor.log_interval)
@@ -501,9 +523,9 @@ class JobDriver:
     def _finish(self) -> dict[str, Any]:
         """The run's record: summary.json, report.html, loss.svg and the console's summary."""
         cfg, run, attempt = self.job.config, self.job.run, self.attempt
-        plan = attempt.plan
+        plan = attempt.require_plan()
         summary = summarize(cfg, plan, self.record, attempt.setups, self.finals, time.monotonic() - self.started,
-                            attempt.placement.reports)
+                            attempt.require_placement().reports)
         if self.resume_from:
             summary["resumed_from"] = self.resume_from
         run.write_json("summary.json", summary)

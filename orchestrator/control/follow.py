@@ -65,7 +65,8 @@ def follow(job: JobContext, placement, plan: Plan, state: RunState, clock: Phase
     cfg, run, view = job.config, job.run, job.view
     actors = placement.actors
     # The sink lives beside the driver: a worker node may fail, the driver's own node may not.
-    sink = MetricsSink.options(
+    sink_class: Any = MetricsSink  # @ray.remote made it an actor class, which its own type does not say
+    sink = sink_class.options(
         num_cpus=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
     ).remote()
@@ -171,12 +172,12 @@ def consume(items: list[Message], state: RunState, run: RunDir, view: ProgressVi
         elif isinstance(it, Committed):
             state.checkpoints.append(it.path)
         elif isinstance(it, RankTimes):
-            state.stragglers.add(it.rank, [tuple(t) for t in it.times])
+            state.stragglers.add(it.rank, list(it.times))
             # `world`: restarts so far; a restarted world numbers its ranks afresh.
             run.append_jsonl(RANK_TIMES, [{"rank": it.rank, "world": len(state.restarts), "step_s": s,
                                            "exposed_comm_s": c} for s, c in it.times])
         elif isinstance(it, Stepped):
-            row = {k: it.row.get(k) for k in METRIC_KEYS}
+            row: dict[str, Any] = {k: it.row.get(k) for k in METRIC_KEYS}
             state.rows.append(row)
             if row["val_loss"] is not None:
                 state.val.append((row["step"], row["val_loss"]))

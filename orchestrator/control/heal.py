@@ -148,9 +148,9 @@ def choose_restore(mesh: Mesh, held: dict[int, dict | None], last_step: int,
     for group in mesh.groups()["dp_replicate"]:
         holders = [r for r in group if r in whole and whole[r]["step"] == step]
         if not holders:
-            have = "; ".join(f"rank {r}: " + (f"step {held[r]['step']}" if held[r].get("step") is not None
-                                               else held[r].get("why", "nothing"))
-                             for r in group if held.get(r))
+            have = "; ".join(f"rank {r}: " + (f"step {h['step']}" if h.get("step") is not None
+                                               else h.get("why", "nothing"))
+                             for r in group if (h := held.get(r)))
             return None, [], f"no survivor of replica group {group} holds step {step}" + (f" ({have})" if have else "")
         if len({whole[r]["digest"] for r in holders}) > 1:
             return None, [], f"ranks {holders} hold step {step} with different contents (their state digests differ)"

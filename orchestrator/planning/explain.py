@@ -65,8 +65,9 @@ def _describe_axis(axis: str, cluster_layout: ClusterLayout, ctx: JobContext) ->
 
 def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: ClusterTopology,
              suggestion: str) -> list[str]:
-    priced, cluster_layout, choice = res.best, res.layout, res.best.choice
-    m = priced.memory
+    priced, cluster_layout = res.best, res.layout
+    assert priced is not None and cluster_layout is not None, "explained only once a plan was chosen and laid out"
+    choice, m = priced.choice, priced.memory
     node = topo.nodes[0]
     lines = [
         f"model: {ctx.params / 1e6:.2f}M parameters, "
@@ -181,6 +182,7 @@ def pipeline_lines(priced: Estimate, ctx: JobContext, cluster_layout: ClusterLay
     """The pipeline in words: schedule, bubble, point-to-point cost and link, and which blocks
     sit on which ranks (the first and last stages when there are many)."""
     pipeline, mesh = priced.execution.pipeline, priced.choice.mesh
+    assert pipeline is not None, "only a plan that runs a pipeline has pipeline lines"
     per_stage = mesh.world_size // mesh.pp
     g = ctx.gpus_per_node
     inside = cluster_layout.per_node["pp"] > 1 and mesh.pp == cluster_layout.per_node["pp"]
@@ -279,8 +281,9 @@ def unlisted(topo: ClusterTopology, cfg: JobConfig) -> list[str]:
                 first[d.name] = d
         for name in {d.name for d in node.devices} & set(first):
             nodes.setdefault(name, []).append(node.hostname or node.node_id or f"node {i}")
-    return [unlisted_note(first[name], where[0] if len(where) == 1 else f"{len(where)} nodes", cfg.cluster.gpu)
-            for name, where in nodes.items()]
+    return [note for name, where in nodes.items()
+            if (note := unlisted_note(first[name], where[0] if len(where) == 1 else f"{len(where)} nodes",
+                                      cfg.cluster.gpu)) is not None]
 
 
 def nothing_plannable(cfg: JobConfig, wirings: Wirings, cons: Constraints, shape: ModelShape,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-GB = 1e9
+GB = 10**9
 GIB = 1 << 30
 
 

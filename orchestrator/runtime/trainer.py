@@ -107,7 +107,7 @@ class Trainer:
 
         self.pipelined = ex.pipeline is not None
         self.par: Parallelized | Pipelined
-        if self.pipelined:
+        if ex.pipeline is not None:
             if ex.pipeline.microbatches != self.accum:
                 raise RuntimeError(f"the pipeline runs {ex.pipeline.microbatches} micro-batches but the plan "
                                    f"accumulates {self.accum}: they are the same thing under a pipeline")
@@ -120,7 +120,7 @@ class Trainer:
         del model  # a pipeline rank keeps only its own stage's modules
         if m.hf_weights and not resuming:
             # Every rank takes part (it is collective), each reading only its own slices.
-            parts = self.par.modules if self.pipelined else [self.par.model]
+            parts = self.par.modules if isinstance(self.par, Pipelined) else [self.par.model]
             load_weights(parts, m.hf_weights, self.aliases)
         # Ranks holding the reported loss: all of them, or the last pipeline stage's.
         self.loss_ranks = self.world // plan.mesh.pp
@@ -253,7 +253,9 @@ class Trainer:
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-step; the sum of their losses over the count."""
-        model = self.par.model
+        par = self.par
+        assert isinstance(par, Parallelized), "a pipeline's stages accumulate its micro-batches themselves"
+        model = par.model
         model.train()
         total = torch.zeros((), device=self.device)
         every = self.execution.reduce_every_micro_step
@@ -264,7 +266,7 @@ class Trainer:
             # gradients between them), or only on the last (unsharded gradients live until then,
             # one reduction). Forward and backward both sit inside it because DDP decides at
             # forward time whether backward will sync.
-            with self.par.micro_step(sync, last=i == self.accum - 1):
+            with par.micro_step(sync, last=i == self.accum - 1):
                 with self._autocast():
                     loss = self._loss(model, x[sl], y[sl]) / self.accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -283,7 +285,7 @@ class Trainer:
             group["lr"] = lr
         x, y = self.data.train_batch(step, t.global_batch_size, self.dp_rank, self.dp_world)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if self.pipelined:
+        if isinstance(self.par, Pipelined):
             with self._autocast():
                 total = self.par.step(x, y)
         else:
@@ -327,7 +329,7 @@ class Trainer:
         for i in range(t.eval_iters):
             x, y = self.data.val_batch(i, t.global_batch_size, self.dp_rank, self.dp_world)
             x, y = x.to(self.device), y.to(self.device)
-            if self.pipelined:
+            if isinstance(self.par, Pipelined):
                 # Forward only through the stages, in the training micro-batches: their mean.
                 with self._autocast():
                     total += self.par.step(x, y, train=False) * self.accum

@@ -19,7 +19,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -34,6 +34,12 @@ from .nccl_env import NcclSetup
 from .nccl_env import apply as apply_nccl
 from .outbox import Outbox
 from .peer_state import Held, PeerRestore, hold
+
+if TYPE_CHECKING:  # imported where used: the runtime's import runs while the driver plans (`Worker.__init__`)
+    from torch.distributed import TCPStore
+
+    from .step_timer import StepTimer
+    from .trainer import Trainer
 
 
 def _pci_bus_id(gpu: int | None) -> str | None:
@@ -236,8 +242,9 @@ class Worker:
         threading.Thread(target=importlib.import_module, args=(f"{__package__}.trainer",),
                          name="import-runtime", daemon=True).start()
         self.niceness_note = _normal_priority()
-        self.trainer = None
-        self.timer = None
+        self.trainer: Trainer | None = None
+        """The model and its step, built by `setup`; None until then and after `leave`."""
+        self.timer: StepTimer | None = None
         """The trainer's step timer, made with it in `setup`."""
         # Held while the process group is torn down: an abort from the control thread racing a
         # `leave` on the main one leaves torch's group registry half cleared, and the next
@@ -256,7 +263,7 @@ class Worker:
         `setup`: a step that then returns may hold partial sums and never counts."""
         self._stage = "idle"
         """Where `train` is: training; leaving, then holding (after a failure); idle."""
-        self._served = None
+        self._served: TCPStore | None = None
         """The store of the group this actor is rank 0 of, from `rendezvous_address` to `setup`."""
 
     @ray.method(concurrency_group="control")
@@ -470,12 +477,14 @@ class Worker:
         run). Returns each step's (seconds, exposed communication seconds or None)."""
         failed = None
         try:
+            tr, timer = self.trainer, self.timer
+            assert tr is not None and timer is not None, "a trial runs the model `setup` built"
             times = []
             for step in range(steps):
                 # As the run would train it: a compiled plan's gain steps with their blocks as the timer names.
-                with self.timer.gain_stance(step):
-                    result = self.trainer.train_step(step)
-                times.append((result.step_s, self.timer.exposed_comm_s(result)))
+                with timer.gain_stance(step):
+                    result = tr.train_step(step)
+                times.append((result.step_s, timer.exposed_comm_s(result)))
         except Exception as e:  # noqa: BLE001 - re-raised below, as text
             failed = "".join(traceback.format_exception(e))
         self.leave()  # outside the except block: see `train`
@@ -532,6 +541,7 @@ class Worker:
         from .validator import Validator
 
         tr, timer = self.trainer, self.timer
+        assert tr is not None and timer is not None, "a step range runs the model `setup` built"
         cfg = tr.cfg
         outbox = Outbox(sink)
         checkpointer = (Checkpointer(tr, checkpoint_dir, cfg.checkpoint, cfg.train.max_steps, outbox,
