@@ -72,6 +72,17 @@ def test_gpu_ids_given_as_uuids_map_to_nvml_indices():
         gpu_indices(["GPU-00000000-dead"], nvml)
 
 
+def test_a_whole_gpu_sees_the_jobs_gpus_on_its_node_and_a_mig_instance_only_itself():
+    from orchestrator.runtime.gpu_ids import cuda_visible
+
+    # GPU 5 among the job's 2, 5 and 7 on its node: all three visible, the rank on the second.
+    assert cuda_visible("5", 5, [7, 2, 5, 2]) == ("2,5,7", 1)
+    assert cuda_visible(fake.A6000_UUIDS[5], 5, [7]) == ("5,7", 0)
+    # A MIG instance of GPU 6: by its UUID, or the index would hand it the whole parent GPU.
+    mig = "MIG-5c9b2a60-0d3c-5b8e-8f7e-2f1a3c4d5e6f"
+    assert cuda_visible(mig, 6, [6, 6]) == (mig, 0)
+
+
 def test_the_worker_reports_a_uuid_gpu_by_its_index(monkeypatch):
     import sys
 

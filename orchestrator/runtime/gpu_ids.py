@@ -44,3 +44,16 @@ def _index_of(nvml: Any, uuid: str) -> int:
         return int(nvml.nvmlDeviceGetIndex(handle))
     except nvml.NVMLError as e:
         raise RuntimeError(f"GPU id {uuid} names no device NVML knows on this node ({e})") from e
+
+
+def cuda_visible(assigned_id: str | int, own_index: int, job_indices: Sequence[int]) -> tuple[str, int]:
+    """`CUDA_VISIBLE_DEVICES` for a rank Ray gave `assigned_id` (NVML index `own_index`), and the
+    rank's device number under it. A whole GPU: every GPU of the job on its node (`job_indices`),
+    by index, since NCCL needs its peers visible for P2P and NVLink and other jobs' GPUs stay out
+    of reach. A MIG instance: its own UUID only, since an index would name the whole parent GPU
+    (two ranks on two instances of one GPU would share the first) and CUDA enumerates one MIG
+    instance per process anyway."""
+    if str(assigned_id).startswith("MIG-"):
+        return str(assigned_id), 0
+    visible = sorted(set(job_indices) | {own_index})
+    return ",".join(map(str, visible)), visible.index(own_index)

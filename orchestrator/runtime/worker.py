@@ -27,7 +27,7 @@ from ..planning import Plan
 from ..topology.local import TOPOLOGY_FILE_ENV
 from .cpu_rate import keep_measured_cpu_rate
 from .device_choice import rank_device
-from .gpu_ids import gpu_indices
+from .gpu_ids import cuda_visible, gpu_indices
 from .messages import Message
 from .metrics import TrainMetrics
 from .nccl_env import NcclSetup
@@ -357,15 +357,15 @@ class Worker:
         notes = [self.niceness_note] if self.niceness_note else []
         if cpu_affinity:
             notes += _bind_cpus(cpu_affinity, self.rank)
-        gpus = gpu_indices(ray.get_gpu_ids())
+        assigned = ray.get_gpu_ids()
+        gpus = gpu_indices(assigned)
+        local_index = None
         if gpus:
-            # Every worker sees all of this job's GPUs on its node, and only those: NCCL needs
-            # its peers visible for P2P and NVLink, other jobs' GPUs stay out of reach. Set
-            # before CUDA initialises in this process (placement verified our GPU is planned).
+            # Set before CUDA initialises in this process (placement verified our GPU is planned).
             node = ray.get_runtime_context().get_node_id()
-            job_gpus = sorted({r.gpu for r in plan.ranks if r.node == node} | {gpus[0]})
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job_gpus))
-        chosen = rank_device(gpus[0] if gpus else None, job_gpus.index(gpus[0]) if gpus else None,
+            visible, local_index = cuda_visible(assigned[0], gpus[0], [r.gpu for r in plan.ranks if r.node == node])
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        chosen = rank_device(gpus[0] if gpus else None, local_index,
                              torch.cuda.is_available(), os.environ.get(TOPOLOGY_FILE_ENV), self.rank)
         device = torch.device(chosen.kind, chosen.index) if chosen.index is not None else torch.device("cpu")
         if chosen.kind == "cuda":
