@@ -36,13 +36,13 @@ class S3Store:
 
     def set_auth(self, checked: bool) -> None:
         """Make the server check every request's credentials against its IAM users (moto
-        accepts any by default), or stop checking. The server runs in this process: the
-        switch is moto's own reset-auth endpoint."""
-        import urllib.request
+        accepts any by default), or stop checking. The server runs in this process: moto's
+        own switch is flipped here (what its `/moto-api/reset-auth` endpoint sets)."""
+        from moto import settings
+        from moto.core.authorization import ActionAuthenticatorMixin
 
-        body = b"0" if checked else b"inf"
-        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=body,
-                                                      method="POST"), timeout=10).read()
+        settings.INITIAL_NO_AUTH_ACTION_COUNT = 0 if checked else float("inf")
+        ActionAuthenticatorMixin.request_count = 0
 
 
 ENV_KEYS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
