@@ -1,7 +1,8 @@
 """`submit` probes the object store `checkpoint.path` names before anything starts, against a
 real S3 server (moto's, on 127.0.0.1): a missing bucket, refused credentials, an unreachable
 endpoint and no credentials at all are each one line naming which and the key, exit 2, with no
-cluster started, no run directory made and no credential in what is said."""
+cluster started, no run directory made and no credential in what is said. A store URI as
+`monitor.runs_dir` is refused the same way."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ pytestmark = pytest.mark.slow
 s3 = pytest.fixture(scope="module")(s3_server)
 
 
-def _submit(tmp_path: Path, capsys, checkpoint_path: str) -> tuple[int, str]:
+def _submit(tmp_path: Path, capsys, checkpoint_path: str, *overrides: str) -> tuple[int, str]:
     code = main(["submit", str(ROOT / "jobs" / "llm.yaml"), f"monitor.runs_dir={tmp_path / 'runs'}",
-                 f"checkpoint.path={checkpoint_path}", "monitor.progress=false", "monitor.dashboard=false"])
+                 f"checkpoint.path={checkpoint_path}", "monitor.progress=false", "monitor.dashboard=false", *overrides])
     said = capsys.readouterr()
     return code, said.out + said.err
 
@@ -73,6 +74,11 @@ def test_a_bad_bucket_credentials_or_endpoint_is_one_line_before_anything_starts
     with pytest.raises(ConfigError, match=r"^key 'checkpoint.path': no credentials to write s3://orchestrator-test/run "
                                           r"\(Unable to locate credentials\); set AWS_ACCESS_KEY_ID"):
         check_writable("checkpoint.path", s3.url("run"))
+
+    # the run directory is the driver's own: a store URI there is refused, not made a local "s3:" folder
+    code, said = _submit(tmp_path, capsys, s3.url("run"), f"monitor.runs_dir={s3.url('runs')}")
+    assert code == 2 and said.startswith(f"error: key 'monitor.runs_dir': {s3.url('runs')} is not a directory"), said
+    assert not Path("s3:").exists()
 
     # refused before anything started: no cluster, no run directory
     assert not ray.is_initialized()

@@ -107,7 +107,11 @@ def _masked(e: BaseException) -> str:
 
 
 def check_job_stores(cfg: JobConfig) -> None:
-    """Probe every object store the job writes to (`checkpoint.path` on one); ConfigError in
-    one line for the first that cannot be written."""
+    """Probe the object store the job's checkpoints go to (`checkpoint.path` on one);
+    ConfigError in one line where it cannot be written. The run directory is the driver's
+    own (its files are appended to and replaced in place), so a store URI there is refused."""
+    if is_object_store(cfg.monitor.runs_dir):
+        raise ConfigError(f"key 'monitor.runs_dir': {cfg.monitor.runs_dir} is not a directory on the driver's disk, "
+                          "where the run directory is written; put the checkpoints on the store with checkpoint.path")
     if cfg.checkpoint.enabled and is_object_store(cfg.checkpoint.path):
         check_writable("checkpoint.path", str(cfg.checkpoint.path))
