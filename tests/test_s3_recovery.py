@@ -2,7 +2,8 @@
 server (moto's, on 127.0.0.1) on a 2-node Ray cluster whose nodes keep separate local
 directories: a run killed mid-way resumes (`submit --resume s3://...`, on nodes that never saw
 it) and ends exactly where the uninterrupted run ends; `export` reads the checkpoint from the
-store; no checkpoint byte lands on a local disk and no credential in the run directory."""
+store; a lost node re-plans the survivor, which loads from the store; no checkpoint byte lands
+on a local disk and no credential in the run directory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,7 +60,12 @@ def two_nodes(s3, tmp_path_factory):
     # S3 server's environment is set, so their workers read the endpoint and credentials as a
     # cloud node reads its own.
     tmp = tmp_path_factory.mktemp("nodes")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0,
+        # Fast failure detection, so a removed node is declared dead in seconds.
+        "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                           "health_check_failure_threshold": 3},
+    })
     try:
         cluster.nodes_by_name = {name: cluster.add_node(num_cpus=1, env_vars=_node_env(tmp, name))
                                  for name in ("a", "b")}
@@ -152,3 +159,44 @@ def test_a_run_killed_on_nodes_without_a_shared_disk_resumes_from_s3_where_the_u
         for f in (p for p in run_dir.rglob("*") if p.is_file()):
             text = f.read_bytes()
             assert ACCESS_KEY.encode() not in text and SECRET_KEY.encode() not in text, f
+
+
+def test_a_lost_node_re_plans_the_survivor_which_loads_from_s3(two_nodes, s3, tmp_path):
+    prefix = s3.url("lost")
+    cfg = load_config(JOB, [*SMALL, f"monitor.runs_dir={tmp_path}", f"checkpoint.path={prefix}",
+                            "train.max_failures=2"])
+    run = RunDir.create(cfg.monitor.runs_dir, cfg.name)
+    result: dict = {}
+
+    def train():
+        try:
+            result["summary"] = run_job(cfg, run, Console(file=open(os.devnull, "w")))
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            result["error"] = e
+
+    # The run goes in a thread: Ray's Cluster.remove_node and add_node belong to the main thread.
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 300
+    while not checkpoint_files.committed(prefix) and "error" not in result and "summary" not in result:
+        assert time.monotonic() < deadline, "no checkpoint committed within 300 s"
+        time.sleep(0.1)
+    lost = two_nodes.nodes_by_name.pop("b")
+    two_nodes.remove_node(lost, allow_graceful=False)
+    t.join(timeout=400)
+    if "error" in result:
+        raise result["error"]
+    summary = result["summary"]
+    [restart] = summary["restarts"]
+    assert restart["nodes"] == [lost.node_id] and restart["recovery"]["kind"] == "full_restart", restart
+    # the survivor, alone on the other node, went on from a checkpoint the store holds
+    assert summary["world_size"] == 1 and summary["steps"] == 24
+    plan = json.loads((run.path / "plan.json").read_text())
+    assert {r["node"] for r in plan["ranks"]} == {two_nodes.nodes_by_name["a"].node_id}
+    resumed_at = restart["resumed_from_step"]
+    assert resumed_at >= 4 and resumed_at % 4 == 0, restart
+    rows = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert summary["checkpoints"][-1] == f"{prefix}/step_00000024"
+    assert checkpoint_files.verify(summary["checkpoints"][-1])["world_size"] == 1
+    assert not (run.path / "checkpoints").exists()
