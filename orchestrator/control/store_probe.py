@@ -26,7 +26,9 @@ PROBE_PREFIX = ".orchestrator-probe-"
 # is then refused in seconds, not after boto's and s3fs's retries (minutes).
 _PROBE_OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 5, "retries": {"max_attempts": 1}}}}
 
-_CREDENTIALS = "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+# Where each store's client finds its credentials, named in a refusal (never their values).
+_CREDENTIALS = {"s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+                "gs": "GOOGLE_APPLICATION_CREDENTIALS, or the node's service account"}
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
@@ -57,15 +59,16 @@ def check_writable(key: str, url: str) -> None:
 def _why(e: Exception, url: str) -> str:
     """What a failed probe write says to the user: which of bucket, credentials or endpoint."""
     bucket = urlsplit(url).netloc
+    credentials = _CREDENTIALS.get(url.split("://", 1)[0], "the store client's credentials")
     unreachable, no_credentials = _client_errors()
     if isinstance(e, unreachable) or _caused_by(e, unreachable):
         return (f"the endpoint {_endpoint(e)} of {url} cannot be reached ({_masked(e)}); "
                 "check AWS_ENDPOINT_URL or the profile's endpoint_url")
     if isinstance(e, no_credentials):
-        return f"no credentials to write {url} ({_masked(e)}); set {_CREDENTIALS}"
+        return f"no credentials to write {url} ({_masked(e)}); set {credentials}"
     if isinstance(e, PermissionError):
         return (f"the store refused the credentials writing {url} ({_masked(e)}); "
-                f"check {_CREDENTIALS}, and that they may write and delete there")
+                f"check {credentials}, and that they may write and delete there")
     if isinstance(e, FileNotFoundError):
         return f"the bucket '{bucket}' does not exist ({url}); create it or name an existing one"
     return f"a probe object cannot be written and deleted under {url}: {type(e).__name__}: {_masked(e)}"
