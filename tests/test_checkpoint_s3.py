@@ -118,3 +118,23 @@ def test_an_async_save_uploads_off_the_step_and_commits_only_when_asked(one_rank
     state = {"w": torch.zeros(64)}
     checkpoint.load(path, state)
     assert torch.equal(state["w"], torch.full((64,), 4.0))
+
+
+def test_a_checkpoint_another_process_commits_is_seen_after_this_one_listed(one_rank, s3):
+    # The driver lists the store, then the workers (other processes, other clients) commit a
+    # newer checkpoint: the next listing must see it, not the one the client cached.
+    from rich.console import Console
+
+    from orchestrator.record.checkpoint_scan import latest_whole_checkpoint
+
+    root = s3.url("others")
+    checkpoint.save(root, 1, {"w": torch.ones(8)}, {}, keep_last=5)
+    assert checkpoint_files.committed(root) == [f"{root}/step_00000001"]
+    assert latest_whole_checkpoint(root, Console(quiet=True))[0] == f"{root}/step_00000001"
+    client = boto3.client("s3")
+    names = _keys(s3, "others/step_00000001")
+    for name in sorted(names, key=lambda n: n == "meta.json"):  # meta.json last, as a commit writes it
+        client.copy_object(Bucket=s3.bucket, Key=f"others/step_00000002/{name}",
+                           CopySource={"Bucket": s3.bucket, "Key": f"others/step_00000001/{name}"})
+    assert checkpoint_files.committed(root) == [f"{root}/step_00000001", f"{root}/step_00000002"]
+    assert latest_whole_checkpoint(root, Console(quiet=True))[0] == f"{root}/step_00000002"
