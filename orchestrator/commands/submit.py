@@ -44,14 +44,17 @@ def resume_checkpoint(run_dir: str) -> str:
     from ..errors import CheckpointError
     from ..record.checkpoint_scan import latest_whole_checkpoint
 
-    root = Path(run_dir)
-    if not root.is_dir():
+    if "://" in run_dir:  # an object store: no directories to test, only objects under a prefix
+        root = run_dir.rstrip("/")
+    elif not Path(run_dir).is_dir():
         raise CheckpointError(f"--resume {run_dir}: no such run directory")
-    for candidate in (root / "checkpoints", root):
-        found = latest_whole_checkpoint(str(candidate), Console(stderr=True))
+    else:
+        root = str(Path(run_dir))
+    for candidate in (f"{root}/checkpoints", root):
+        found = latest_whole_checkpoint(candidate, Console(stderr=True))
         if found:
             return found[0]
-    raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root / 'checkpoints'}")
+    raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root}/checkpoints")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,12 +113,14 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     from ..connect.remote import RUN_DIR_LINE, RUN_NAME_ENV
     from ..control.preflight import start_measuring
     from ..control.signals import stop_on_sigterm
+    from ..control.store_probe import check_job_stores
     from ..record.rundir import RunDir, anchored
     from ..record.worker_logs import WorkerLogs
     from ..workloads.source import inside_ray_job, model_modules
 
     cfg.monitor.runs_dir = anchored(cfg.monitor.runs_dir)
     cfg.checkpoint.path = anchored(cfg.checkpoint.path)
+    check_job_stores(cfg)  # a missing bucket, refused credentials or an unreachable endpoint: one line, now
     resume = resume_checkpoint(resume_dir) if resume_dir else None
     if resume:
         from ..errors import ConfigError

@@ -39,6 +39,15 @@ def filesystem(root: str):
     return fs, path.rstrip("/")
 
 
+def _current(root: str):
+    """`filesystem(root)` with no listing this process cached: other processes (every rank, the
+    driver) write checkpoints through clients of their own, so an object store's listing cached
+    here (s3fs keeps them until this process writes there itself) would miss their commits."""
+    fs, path = filesystem(root)
+    fs.invalidate_cache()
+    return fs, path
+
+
 def is_local(fs) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
@@ -76,7 +85,7 @@ def prune(fs, base: str, keep_last: int) -> None:
 
 def committed(root: str) -> list[str]:
     """Checkpoints under `root` that have been committed (meta.json present), oldest first."""
-    fs, base = filesystem(root)
+    fs, base = _current(root)
     if not fs.isdir(base):
         return []
     found = []
@@ -91,7 +100,7 @@ def verify(path: str, hashes: bool = True) -> dict[str, Any]:
     """meta.json of a committed checkpoint whose every file matches its manifest, else
     CheckpointError. `hashes=False` checks presence and sizes only (for ranks loading a
     checkpoint the driver has just verified in full)."""
-    fs, p = filesystem(path)
+    fs, p = _current(path)
     try:
         with fs.open(f"{p}/{META}", "r") as f:
             meta = json.loads(f.read())
@@ -113,7 +122,7 @@ def verify(path: str, hashes: bool = True) -> dict[str, Any]:
 def mismatched(path: str, names: list[str]) -> list[str]:
     """Of the files `names` of the committed checkpoint at `path`, those whose SHA-256 differs
     from meta.json, each as one line saying so."""
-    fs, p = filesystem(path)
+    fs, p = _current(path)
     files = read_meta(path)["files"]
     return [f"checkpoint {path}: file {n} is corrupted (checksum mismatch)" for n in names
             if digest(fs, f"{p}/{n}")["sha256"] != files[n]["sha256"]]
