@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -89,10 +90,18 @@ def test_the_builtin_llama_exports_as_llama_for_causal_lm(tmp_path):
     from orchestrator.workloads.llama import build
 
     model = _jostled(build("tiny", **TINY_LLAMA))
-    run = _run(tmp_path, _llama_overrides(), model)
+    # The data `prepare` tokenized: its tokenizer goes with the model, its end-of-document id in the config.
+    tokens = tmp_path / "train.npy"
+    np.save(tokens, np.arange(64, dtype=np.uint16))
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
+    Path(f"{tokens}.meta.json").write_text(json.dumps(
+        {"tokenizer": str(tmp_path / "tokenizer.json"), "vocab_size": 96, "tokens": 64, "eos_id": 95}))
+    run = _run(tmp_path, [*_llama_overrides(), f"data.path={tokens}"], model)
     out = export_run(run, tmp_path / "hf", max_shard_bytes=SHARD)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    assert config["eos_token_id"] == 95
+    assert (out / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
     _assert_sharded(out)
     _assert_same_logits(out, model, TINY_LLAMA["vocab_size"])
 

@@ -267,7 +267,7 @@ def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_pa
         return export_model(model, out, tokenizer=tokenizer, eos_id=eos_id, force=force)
     if checkpoint_path:
         verify(ckpt)  # the latest whole one is verified in finding it
-    hf = hf_export.layout(model_config, model_config.block_size)
+    hf = hf_export.layout(model_config, model_config.block_size, eos_id)
     with staged(out) as tmp:
         hf_export.write(ckpt, hf, tmp, max_shard_bytes)
         copy_tokenizer(tokenizer, tmp)

@@ -98,10 +98,11 @@ def tensors_of(model: nn.Module, rename: Callable[[str], str] = str) -> tuple[Ex
                  for name, value in model.state_dict().items() if name not in aliases)
 
 
-def layout(model_config: ModelConfig, block_size: int) -> HFLayout:
+def layout(model_config: ModelConfig, block_size: int, eos_id: int | None = None) -> HFLayout:
     """The Hugging Face layout of the run's model: the built-in Llama's or a `model.hf_config`
     model's own; ConfigError for any other model. `block_size`: the trained context length,
-    the built-in Llama's `max_position_embeddings`."""
+    the built-in Llama's `max_position_embeddings`; `eos_id`: the data's end-of-document token,
+    its `eos_token_id` (a `model.hf_config` model keeps its config's)."""
     if model_config.hf_config is not None and not Path(model_config.hf_config).is_file():
         raise ConfigError(f"key 'model.hf_config': the run was trained from {model_config.hf_config}, "
                           f"which no longer exists; export needs it")
@@ -125,7 +126,7 @@ def layout(model_config: ModelConfig, block_size: int) -> HFLayout:
         head_dim=cfg.dim // cfg.n_heads, rms_norm_eps=cfg.norm_eps, max_position_embeddings=block_size,
         hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        architectures=["LlamaForCausalLM"], dtype=torch.float32)
+        eos_token_id=eos_id, architectures=["LlamaForCausalLM"], dtype=torch.float32)
     return HFLayout(config, tensors_of(model, llama_hf_name))
 
 

@@ -36,8 +36,9 @@ ARTIFACTS = ("plan.json", "summary.json", "report.html", "loss.svg")
 """The run's record files a tracker that stores files is given at the end."""
 STEP_METRICS = ("loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu", "exposed_comm_s")
 """The fields of a metrics row each step logs (with `val_loss` and `restarts`)."""
-CLOSE_TIMEOUT_S = 60.0
-"""How long the end of the run waits for the trackers to finish their uploads."""
+CLOSE_TIMEOUT_S = 180.0
+"""How long the end of the run waits for the trackers to finish their uploads (and, in a run
+shorter than that, their imports: MLflow and TensorBoard take tens of seconds on a busy host)."""
 MLFLOW_SHORT_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 """MLflow's retry settings where the user set none: its defaults retry an unreachable server
 for minutes, which would keep the run's end waiting that long before its note."""
