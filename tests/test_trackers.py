@@ -276,3 +276,46 @@ def test_an_unreachable_mlflow_server_is_one_note_and_the_other_trackers_go_on(t
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_run_is_logged_to_every_tracker_from_the_driver(tmp_path, mlflow_server, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from orchestrator.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs = tmp_path / "runs"
+    assert main(["submit", str(ROOT / "jobs" / "llm.yaml"), "name=tracked",
+                 "monitor.trackers=[tensorboard,mlflow,wandb]", "model.n_layer=1", "model.n_head=2",
+                 "model.n_embd=32", "model.block_size=32",
+                 "train.max_steps=4", "train.global_batch_size=4", "train.warmup_steps=1", "train.eval_iters=1",
+                 "train.eval_interval=2", "parallel.strategy=ddp", "cluster.num_workers=2",
+                 "monitor.progress=false", "monitor.dashboard=false", f"monitor.runs_dir={runs}"]) == 0
+    (run,) = runs.glob("tracked-*")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in rows]
+    summary = json.loads((run / "summary.json").read_text())
+
+    client = MlflowClient(mlflow_server)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("tracked").experiment_id])
+    assert mlrun.info.run_name == run.name and mlrun.info.status == "FINISHED"
+    history = client.get_metric_history(mlrun.info.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == losses
+    assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "val_loss")] == [0, 2, 4]
+    assert mlrun.data.params["plan.strategy"] == summary["strategy"] == "ddp"
+    assert mlrun.data.params["model.n_embd"] == "32"
+    assert sorted(a.path for a in client.list_artifacts(mlrun.info.run_id)) == [
+        "loss.svg", "plan.json", "report.html", "summary.json"]
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("loss")] == losses
+    _, wandb_history = _wandb_history(run)
+    assert [(s, items["loss"]) for s, items in wandb_history if "loss" in items] == losses
