@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -234,6 +234,14 @@ class MonitorConfig:
     """Steps between metrics lines in metrics.jsonl."""
     dashboard: bool = True
     """Start the Ray dashboard with the embedded cluster (an existing cluster has its own)."""
+    trackers: List[str] = field(default_factory=list)
+    """Experiment trackers the driver also logs the run to (`tensorboard`: event files in the run
+    directory; `mlflow`: the server MLFLOW_TRACKING_URI names; `wandb`: Weights & Biases, offline
+    with WANDB_MODE=offline); none by default. Needs the `trackers` extra."""
+
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+"""The trackers `monitor.trackers` may name."""
 
 
 @dataclass
@@ -450,6 +458,10 @@ def validate(cfg: JobConfig) -> None:
     if cfg.checkpoint.export and not cfg.checkpoint.enabled:
         raise ConfigError("key 'checkpoint.export': exports the final checkpoint, so it needs checkpoint.enabled=true")
     _positive(cfg.monitor.log_interval, "monitor.log_interval")
+    unknown = [name for name in cfg.monitor.trackers if name not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"key 'monitor.trackers': unknown tracker {unknown[0]!r}; each must be one of "
+                          f"{', '.join(TRACKERS)}")
     _positive(cfg.elastic.min_workers, "elastic.min_workers")
     _positive(cfg.elastic.max_workers, "elastic.max_workers", allow_zero=True)
     _positive(cfg.elastic.leave_timeout_s, "elastic.leave_timeout_s")

@@ -46,6 +46,7 @@ from ..record.run_state import RunState
 from ..record.rundir import RunDir
 from ..record.startup_clock import Phases
 from ..record.summary import notes, print_summary, save_compile_gain, summarize, write_loss_curve
+from ..record.trackers import Trackers
 from ..runtime import checkpoint_files
 from ..runtime.messages import Stepped
 from ..runtime.metrics import record_restarts
@@ -152,7 +153,9 @@ class JobDriver:
                  ray_start_s: float | None = None, measure_s: float = 0.0) -> None:
         self.started = time.monotonic()
         """When the driver began (the summary's wall time counts from it)."""
-        self.job = JobContext(cfg, run, ConsoleView(console), cfg.checkpoint.path or str(run.checkpoints))
+        view = ConsoleView(console)
+        self.job = JobContext(cfg, run, view, cfg.checkpoint.path or str(run.checkpoints),
+                              Trackers(cfg, run, view.note))
         """What stays the same for the whole job."""
         self.resume_from = resume_from
         """The checkpoint (or run) the user resumed the job from; None for a fresh run."""
@@ -206,6 +209,8 @@ class JobDriver:
             raise
         finally:
             self._release()  # whatever ended the attempt; a second release finds nothing left to free
+            if stage is not Stage.DONE:
+                self.job.trackers.close()
         return self._finish()
 
     # --- the stages -------------------------------------------------------------------------
@@ -532,6 +537,7 @@ class JobDriver:
         gain_line = save_compile_gain(run, plan, summary["compile"])
         write_report(run)
         write_loss_curve(run, cfg, plan, self.record)
+        self.job.trackers.finish(summary)
         print_summary(self.view.console, summary, run)
         if gain_line:
             self.view.line(gain_line)

@@ -1,4 +1,6 @@
-"""A run's final weights out of the DCP shards, as safetensors a `transformers` GPT-2 loads.
+"""A run's final weights out of the DCP shards, as a directory `transformers` loads with
+`AutoModelForCausalLM.from_pretrained`: the built-in GPT gathered here, in GPT-2's layout; the
+built-in Llama and any `model.hf_config` model shard file by shard file (`hf_export.py`).
 
 The built-in GPT is GPT-2's architecture exactly: learned positions, pre-LayerNorm with eps
 1e-5, biases, tied input/output embeddings, 4x MLP, attention scaled by 1/sqrt(head_dim), and
@@ -12,26 +14,32 @@ biases given zero ones. The directory holds
     gpt_config.json     our GPTConfig, which `load_exported` reads back into the built-in GPT
     tokenizer.json      the data's tokenizer, when `prepare` recorded one
 
-and is written under a temporary name, renamed into place when complete.
+Every export is written under a temporary name, renamed into place when complete; an
+existing directory that is not empty is replaced only when asked to (`force`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..config import GPT_FACTORY, ModelConfig
 from ..errors import UserError
 from ..workloads.gpt import GPT, GPTConfig
 
 FORMAT = "orchestrator-gpt/1"
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which the built-in GPT uses
+MAX_SHARD_BYTES = 5 * 10**9
+"""The largest safetensors file of a sharded export (Hugging Face's own default, 5 GB)."""
 
 
 def require_safetensors():
@@ -131,31 +139,61 @@ def gpt2_config(cfg: GPTConfig, eos_id: int | None = None) -> dict[str, Any]:
     }
 
 
-def export_model(model: GPT, out: Path, tokenizer: str | None = None, eos_id: int | None = None) -> Path:
-    """Write `model` to the directory `out`, which must not exist yet (or be empty)."""
-    st = require_safetensors()
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out}: exists and is not an empty directory; choose another")
+def check_out(out: Path, force: bool = False) -> None:
+    """UserError, before anything is read or written, unless `out` can be written: a new
+    directory in an existing one, an empty directory, or (`force`) a directory to replace."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a directory; choose another")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"--out {out}: exists and is not an empty directory; choose another, "
+                        f"or pass --force to replace what it holds")
     if not out.parent.is_dir():
         raise UserError(f"--out {out}: no such directory {out.parent}")
-    cfg = model.cfg
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A new directory beside `out` to write into; it takes `out`'s place when the block
+    completes, and is removed when it fails, so `out` holds a whole export or what it held."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
+        yield tmp
+        if out.is_dir() and any(out.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".replaced", dir=out.parent))
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            if out.is_dir():
+                out.rmdir()
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_model(model: GPT, out: Path, tokenizer: str | None = None, eos_id: int | None = None,
+                 force: bool = False) -> Path:
+    """Write `model` to the directory `out`, which must not exist yet, or be empty (or, with
+    `force`, is replaced)."""
+    st = require_safetensors()
+    out = Path(out)
+    check_out(out, force)
+    cfg = model.cfg
+    with staged(out) as tmp:
         sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
         st.save_file(to_gpt2(sd, cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(gpt2_config(cfg, eos_id), indent=2) + "\n")
         (tmp / "gpt_config.json").write_text(
             json.dumps({"format": FORMAT, "layout": "gpt2", **dataclasses.asdict(cfg)}, indent=2) + "\n")
-        if tokenizer and Path(tokenizer).is_file():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        if out.is_dir():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        copy_tokenizer(tokenizer, tmp)
     return out
+
+
+def copy_tokenizer(tokenizer: str | None, directory: Path) -> None:
+    """The data's tokenizer.json into `directory`, when `prepare` recorded one that is still there."""
+    if tokenizer and Path(tokenizer).is_file():
+        shutil.copyfile(tokenizer, directory / "tokenizer.json")
 
 
 def load_exported(path: str | os.PathLike) -> GPT:
@@ -175,18 +213,23 @@ def load_exported(path: str | os.PathLike) -> GPT:
     return model
 
 
-def run_config(run_dir: Path) -> tuple[GPTConfig, dict[str, Any], str]:
-    """What a run was trained with (its config.yaml): the model config, the data section, and
-    where its checkpoints are."""
+def run_config(run_dir: Path) -> tuple[ModelConfig, dict[str, Any], str]:
+    """What a run was trained with (its config.yaml): the model config (with the built-in GPT's
+    fields), the data section, and where its checkpoints are."""
     from omegaconf import OmegaConf
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"{run_dir}: no config.yaml; not a run directory")
     cfg: Any = OmegaConf.to_container(OmegaConf.load(path))
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    model = GPTConfig(**{k: v for k, v in cfg["model"].items() if k in fields})
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in cfg["model"].items() if k in fields})
     return model, cfg.get("data") or {}, (cfg.get("checkpoint") or {}).get("path") or str(run_dir / "checkpoints")
+
+
+def gpt_config(model: ModelConfig) -> GPTConfig:
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{k: getattr(model, k) for k in fields if hasattr(model, k)})
 
 
 def latest_checkpoint(root: str) -> str:
@@ -196,21 +239,36 @@ def latest_checkpoint(root: str) -> str:
 
     found = checkpoint_files.newest_whole(root)
     if found is None:
-        raise CheckpointError(f"no whole checkpoint under {root}")
+        raise CheckpointError(f"no whole checkpoint under {root}: nothing to export")
     return found[0]
 
 
-def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_path: str | None = None) -> Path:
-    """Gather a run's final (or the given) checkpoint into one model and export it."""
+def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_path: str | None = None,
+               force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Export a run's final (or the given) checkpoint into the directory `out`: the built-in
+    GPT gathered into one model (GPT-2's layout), any other model shard file by shard file
+    (`hf_export.py`). `out` must not exist yet, or be empty; `force` replaces it."""
     from ..data.tokenfiles import read_meta
     from ..runtime import checkpoint
+    from ..runtime.checkpoint_files import verify
+    from . import hf_export
 
-    run_dir = Path(run_dir)
+    run_dir, out = Path(run_dir), Path(out)
     require_safetensors()  # fail before any work when the package is missing
-    cfg, data, root = run_config(run_dir)
+    check_out(out, force)
+    model_config, data, root = run_config(run_dir)
     ckpt = checkpoint_path or latest_checkpoint(root)
-    model = GPT(cfg)
-    checkpoint.load_model_weights(ckpt, model)
     meta = read_meta(data["path"]) if data.get("path") and Path(data["path"]).is_file() else None
-    tokenizer = meta.get("tokenizer") if meta else None
-    return export_model(model, Path(out), tokenizer=tokenizer, eos_id=meta.get("eos_id") if meta else None)
+    tokenizer, eos_id = (meta.get("tokenizer"), meta.get("eos_id")) if meta else (None, None)
+    if model_config.hf_config is None and model_config.factory == GPT_FACTORY:
+        model = GPT(gpt_config(model_config))
+        hf_export.check_fits(ckpt, {t.checkpoint_name: t.shape for t in hf_export.tensors_of(model)}, "the GPT")
+        checkpoint.load_model_weights(ckpt, model)
+        return export_model(model, out, tokenizer=tokenizer, eos_id=eos_id, force=force)
+    if checkpoint_path:
+        verify(ckpt)  # the latest whole one is verified in finding it
+    hf = hf_export.layout(model_config, model_config.block_size, eos_id)
+    with staged(out) as tmp:
+        hf_export.write(ckpt, hf, tmp, max_shard_bytes)
+        copy_tokenizer(tokenizer, tmp)
+    return out

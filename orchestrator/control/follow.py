@@ -98,6 +98,7 @@ def follow(job: JobContext, placement, plan: Plan, state: RunState, clock: Phase
                 timed = any(isinstance(it, RankTimes) for it in items)
                 stepped = any(isinstance(it, Stepped) for it in items)
                 consume(items, state, run, progress, cfg.monitor.log_interval)
+                job.trackers.log(state)
                 if stepped and clock is not None:
                     _first_step(clock, time.monotonic() - t_follow, state, view)
                     clock = None
@@ -136,6 +137,7 @@ def follow(job: JobContext, placement, plan: Plan, state: RunState, clock: Phase
         return Finished(ray.get(refs))
     finally:
         _last_items(sink, state, run, progress, cfg.monitor.log_interval)
+        job.trackers.log(state)
         report.now()  # the state the attempt ended in, whatever ended it; never raises
         ray.kill(sink)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..config import JobConfig
 from ..record.console_view import ConsoleView
 from ..record.rundir import RunDir
+from ..record.trackers import Trackers
 
 
 @dataclass(frozen=True)
@@ -21,3 +22,5 @@ class JobContext:
     """Its console."""
     checkpoint_root: str
     """Where its checkpoints go: `checkpoint.path`, else the run directory's checkpoints/."""
+    trackers: Trackers
+    """The experiment trackers it is logged to (`monitor.trackers`; none by default)."""
