@@ -19,7 +19,14 @@ from .comm import (
     group_all_to_all,
     group_reduce_scatter,
 )
-from .compute import DeviceSpeed, efficiency, elementwise_seconds, matmul_seconds, optimizer_seconds
+from .compute import (
+    DeviceSpeed,
+    efficiency,
+    elementwise_seconds,
+    expert_efficiency,
+    matmul_seconds,
+    optimizer_seconds,
+)
 from .layout import ClusterLayout
 from .memory import (
     ByteLayout,
@@ -273,9 +280,9 @@ def compute_term(ctx: JobContext, cand: Candidate) -> ComputeTerm:
     shape, choice, pipeline = ctx.shape, cand.choice, cand.execution.pipeline
     tp, dp, cp = choice.mesh.tp, choice.mesh.dp, choice.mesh.cp
     flops = flops_per_step(shape, ctx.global_batch, choice.recompute) / (dp * tp * cp) * cand.work
-    flops += expert_imbalance_flops(ctx, cand)
+    routed = min(flops, routed_expert_flops(ctx, cand))
     gemm_efficiency = efficiency(choice.micro_batch * shape.seq // cp, shape.hidden, tp, ctx.speed, ctx.on_gpu)
-    matmul_s = matmul_seconds(flops, ctx.speed, gemm_efficiency)
+    matmul_s = matmul_seconds(flops - routed, ctx.speed, gemm_efficiency) + expert_seconds(ctx, cand, routed)
     if ctx.on_gpu:
         matmul_s += elementwise_seconds(ctx.global_batch * shape.seq / (dp * cp), shape.hidden, tp, cand.blocks,
                                         str(choice.recompute), ctx.layout.activation, ctx.speed)
@@ -293,19 +300,33 @@ def compute_term(ctx: JobContext, cand: Candidate) -> ComputeTerm:
                        bubble_s=matmul_s * pipeline.bubble if pipeline else 0.0)
 
 
-def expert_imbalance_flops(ctx: JobContext, cand: Candidate) -> float:
-    """FLOPs the busiest expert-parallel rank runs beyond its balanced share of the routed
-    experts (`ROUTED_IMBALANCE`): each routed row runs one expert's SwiGLU, 2 x 3 d F FLOPs
-    forward (top_k of the active parameters per token), twice that backward and once more
-    under full recomputation. At ep=1 every rank runs its own rows: none."""
+def routed_expert_flops(ctx: JobContext, cand: Candidate) -> float:
+    """FLOPs of the routed experts on one rank and step at balance: each routed row runs one
+    expert's SwiGLU, 2 x 3 d F FLOPs forward (top_k of the active parameters per token), twice
+    that backward and once more under full recomputation. 0 for a dense model."""
     shape, choice = ctx.shape, cand.choice
     experts = shape.spec.experts if shape.spec is not None else None
-    if experts is None or choice.mesh.ep <= 1:
+    if experts is None:
         return 0.0
     passes = 3 + (1 if str(choice.recompute) == "full" else 0)
     rows = routed_rows(shape, choice.micro_batch, choice.mesh.cp, choice.mesh.tp) * cand.accum
     per_row = 2 * 3 * shape.hidden * experts.expert_hidden
-    return (ROUTED_IMBALANCE - 1) * rows * moe_blocks_of(shape, cand.share) * per_row * passes
+    return rows * moe_blocks_of(shape, cand.share) * per_row * passes
+
+
+def expert_seconds(ctx: JobContext, cand: Candidate, routed_flops: float) -> float:
+    """Seconds of the routed experts' grouped matmuls: at the efficiency of the rows each local
+    expert takes (`expert_efficiency`: ep ranks' rows for each of `experts / ep`), and on the
+    busiest expert-parallel rank `ROUTED_IMBALANCE` of its share; at ep=1 every rank runs its
+    own rows through every expert, balanced."""
+    if routed_flops <= 0:
+        return 0.0
+    shape, choice = ctx.shape, cand.choice
+    assert shape.spec is not None and shape.spec.experts is not None, "routed FLOPs need experts"
+    experts, ep = shape.spec.experts, choice.mesh.ep
+    rows_per_expert = routed_rows(shape, choice.micro_batch, choice.mesh.cp, choice.mesh.tp) * ep / experts.experts
+    eff = expert_efficiency(rows_per_expert, shape.hidden, experts.expert_hidden, ctx.speed, ctx.on_gpu)
+    return matmul_seconds(routed_flops * (ROUTED_IMBALANCE if ep > 1 else 1.0), ctx.speed, eff)
 
 
 @dataclass(slots=True)

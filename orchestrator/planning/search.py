@@ -166,13 +166,16 @@ def context_degrees(world: int, tp: int, seq: int, cons: Constraints, g: int = 1
     return [cp for cp in divisors(world // tp) if across_islands or cp * tp <= g]
 
 
-def expert_degrees(mesh: Mesh, experts: int, cons: Constraints) -> list[int]:
+def expert_degrees(mesh: Mesh, experts: int, cons: Constraints, g: int = 1, across_islands: bool = False) -> list[int]:
     """Expert-parallel degrees of a mesh: 1 for a dense model (`experts` 0); the forced one;
-    else every divisor of the dp_shard x cp x tp ranks ep borrows (ep=1 is the FSDP-only
-    experts alternative)."""
+    else every divisor of the dp_shard x cp x tp ranks ep borrows that keeps an expert group
+    inside one NVLink island of `g` devices, or any (`across_islands`, searched only where none
+    of those fits). ep=1 is the FSDP-only experts alternative."""
     if not experts:
         return [1]
-    return [cons.ep] if cons.ep else divisors(mesh.borrowable)
+    if cons.ep:
+        return [cons.ep]
+    return [ep for ep in divisors(mesh.borrowable) if across_islands or ep <= g]
 
 
 def meshes_of(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
@@ -188,7 +191,7 @@ def meshes_of(strategy: Strategy, world: int, g: int, n_head: int, cons: Constra
             continue
         for m, bad in _stage_meshes(strategy, world // pp, g, n_head, cons, seq, experts > 0, across_islands):
             mesh = Mesh(m.dp_replicate, m.dp_shard, m.tp, pp=pp, cp=m.cp)
-            for ep in expert_degrees(mesh, experts, cons):
+            for ep in expert_degrees(mesh, experts, cons, g, across_islands):
                 if mesh.borrowable % ep:
                     out.append((mesh, bad or f"parallel.ep={ep} does not divide the {mesh.borrowable} ranks of "
                                              f"dp_shard x cp x tp it borrows"))
@@ -308,9 +311,9 @@ class SearchSpace:
     evaluated: int = 0
     """Candidates whose memory and time were estimated so far (a mesh that turns out not to
     run at all counts those it priced before)."""
-    cp_across_islands: bool = False
-    """Whether `parallel.cp=auto` may put a cp group across NVLink islands (searched only where
-    no plan with cp inside one fits)."""
+    across_islands: bool = False
+    """Whether `parallel.cp=auto` and `parallel.ep=auto` may put a group across NVLink islands
+    (searched only where no plan with the groups inside one fits)."""
 
     @property
     def devices_per_node(self) -> int:
@@ -343,7 +346,7 @@ def mesh_candidates(space: SearchSpace, n_head: int) -> list[MeshCandidate]:
     candidates = [MeshCandidate(strategy, mesh, unusable) for strategy in strategies
                   for mesh, unusable in meshes_of(strategy, world, space.devices_per_node, n_head, constraints,
                                                   ctx.shape.layers, splittable, ctx.shape.seq, space.experts,
-                                                  space.cp_across_islands)]
+                                                  space.across_islands)]
     return sorted(candidates, key=lambda candidate: candidate.mesh.pp)
 
 
@@ -520,19 +523,25 @@ def with_compression(space: SearchSpace, candidate: MeshCandidate, best: Estimat
 
 def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) -> SearchResult:
     """Best plan under the constraints (best=None when no candidate could be estimated).
-    Context parallelism goes inside an NVLink island first: cp groups across islands are
-    searched only where no plan keeps them inside one and fits."""
+    Context- and expert-parallel groups go inside an NVLink island first: groups across
+    islands are searched only where no plan keeps them inside one and fits."""
     result = _search(SearchSpace(ctx, cons, wirings), n_head)
-    if result.fits or cons.cp is not None or ctx.shape.seq < CP_FROM_TOKENS:
+    spec = ctx.shape.spec
+    searched_cp = cons.cp is None and ctx.shape.seq >= CP_FROM_TOKENS
+    searched_ep = cons.ep is None and spec is not None and spec.experts is not None
+    if result.fits or not (searched_cp or searched_ep):
         return result
-    wider = _search(SearchSpace(ctx, cons, wirings, cp_across_islands=True), n_head)
-    if not wider.fits or wider.best is None or wider.best.choice.mesh.cp * wider.best.choice.mesh.tp \
-            <= wirings.devices_per_node:
+    wider = _search(SearchSpace(ctx, cons, wirings, across_islands=True), n_head)
+    g = wirings.devices_per_node
+    if not wider.fits or wider.best is None:
         return result
-    wider.notes.insert(0, f"context parallelism across NVLink islands: no plan with its cp group inside one island "
-                          f"of {wirings.devices_per_node} devices fits (the most frugal needs "
-                          f"{result.best.memory.total / 1e9:.2f} GB per rank)" if result.best else
-                       "context parallelism across NVLink islands: no plan with cp inside one could be laid out")
+    mesh = wider.best.choice.mesh
+    axes = [axis for axis, size in (("cp", mesh.cp * mesh.tp), ("ep", mesh.ep)) if size > g]
+    if not axes:
+        return result
+    frugal = f" (the most frugal needs {result.best.memory.total / 1e9:.2f} GB per rank)" if result.best else ""
+    wider.notes.insert(0, f"{' and '.join(axes)} across NVLink islands: no plan with its groups inside one island of "
+                          f"{g} devices fits{frugal}")
     return wider
 
 
