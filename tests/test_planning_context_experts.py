@@ -32,11 +32,13 @@ from orchestrator.planning.cost import (
     expert_sync_term,
 )
 from orchestrator.planning.describe import describe_cluster
+from orchestrator.planning.flow import job_context
 from orchestrator.planning.layout import Wirings, cluster_layout, expert_in_node, in_node_shape
 from orchestrator.planning.memory import expert_states
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape, block_params, routed_params, tp_param_split
 from orchestrator.planning.model_spec import ExpertSpec, ModelSpec
+from orchestrator.planning.traffic import predicted_traffic
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import Network
 
@@ -241,6 +243,14 @@ def test_llama3_8b_at_131k_tokens_on_four_dgx_nodes_plans_cp_inside_the_nodes():
                                   ["model.block_size=131072", "parallel.cp=1"]), _dgx(4), LLAMA3_8B_131K)
     assert not forced.fits and forced.memory_per_rank.total > 200e9 and forced.mesh.cp == 1
     assert "without the forced choices" in forced.reason and "cp=" in forced.reason
+    # What a rehearsal compares: each attention layer gathers 2 x 131,072 x 8 K/V heads x 128 x 2 B
+    # (536,870,912 B) per micro-batch, twice under recomputation, and reduce-scatters the gradient once.
+    rows = {(t.op, t.axis): t for t in predicted_traffic(job_context(cfg, _dgx(4), LLAMA3_8B_131K), plan)}
+    gathers = rows[("all_gather", "cp")]
+    assert gathers.bytes == gathers.count * 536870912 * plan.micro_batch_size
+    assert gathers.count == plan.grad_accum_steps * 32 * (1 if plan.recompute == Recompute.none else 2)
+    assert rows[("reduce_scatter", "cp")].count == plan.grad_accum_steps * 32
+    assert ("reduce_scatter", "dp_shard_cp") in rows
 
 
 @pytest.mark.slow
@@ -254,6 +264,12 @@ def test_qwen3_moe_on_nvswitch_nodes_keeps_every_expert_group_inside_one_island(
     text = "\n".join(plan.explanation)
     assert "ep: NVLink island (node 0)" in text and "factorisations: dense pp=1 x dp_replicate=" in text
     assert f"experts: ep={plan.mesh.ep}, faster: the best FSDP-only experts (ep=1) plan" in text
+    # Each all-to-all sends the rank's rows: micro-batch x 4096 tokens x top 8 x 2048 x 2 B, four per layer.
+    rows = {(t.op, t.axis): t for t in predicted_traffic(job_context(cfg, _dgx(2), qwen3_30b_a3b()), plan)}
+    sent = plan.micro_batch_size * 4096 * 8 // plan.mesh.tp * 2048 * 2
+    assert rows[("all_to_all", "ep")].bytes == rows[("all_to_all", "ep")].count * sent
+    assert rows[("all_to_all", "ep")].count == plan.grad_accum_steps * 48 * (
+        6 if plan.recompute == Recompute.full else 4)
     # Forced across the two nodes, the routing is node-limited: one group per island.
     wide = plan_job(load_config(None, ["model.factory=orchestrator.workloads.llama:build", "model.block_size=4096",
                                        "train.global_batch_size=64", "parallel.ep=16"]), _dgx(2), qwen3_30b_a3b())
