@@ -112,11 +112,11 @@ def _context_and_expert_traffic(tally: _Tally, ctx: JobContext, plan: Plan, bloc
     runs = plan.execution
     if mesh.efsdp > 1 and not runs.ddp_reduces:
         local = routed_params_per_block(shape) / mesh.ep
-        gathers = moe_blocks * (2 * accum if runs.reshard_after_forward else 1)
-        syncs = moe_blocks * (accum if runs.reduce_every_micro_step else 1)
+        expert_gathers = moe_blocks * (2 * accum if runs.reshard_after_forward else 1)
+        expert_syncs = moe_blocks * (accum if runs.reduce_every_micro_step else 1)
         grad_wire = wire_bytes_per_grad(runs.compression, ctx.layout.grads, ctx.powersgd_ratio, 0.0)
-        tally.add("all_gather", "efsdp", gathers, gathers * local * ctx.layout.compute)
-        tally.add("reduce_scatter", "efsdp", syncs, syncs * local * grad_wire)
+        tally.add("all_gather", "efsdp", expert_gathers, expert_gathers * local * ctx.layout.compute)
+        tally.add("reduce_scatter", "efsdp", expert_syncs, expert_syncs * local * grad_wire)
 
 
 def _model_parallel_traffic(tally: _Tally, ctx: JobContext, plan: Plan, stage: int, blocks: int) -> None:
