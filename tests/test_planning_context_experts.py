@@ -33,7 +33,7 @@ from orchestrator.planning.cost import (
 )
 from orchestrator.planning.describe import describe_cluster
 from orchestrator.planning.flow import job_context
-from orchestrator.planning.layout import Wirings, cluster_layout, expert_in_node, in_node_shape
+from orchestrator.planning.layout import NodeWiring, Wirings, cluster_layout, expert_in_node, in_node_shape
 from orchestrator.planning.memory import expert_states
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape, block_params, routed_params, tp_param_split
@@ -302,3 +302,15 @@ def test_a_pcie_box_chooses_the_fsdp_only_experts_where_they_move_fewer_bytes():
     forced = plan_job(replace(cfg, parallel=replace(cfg.parallel, ep=2, strategy=Strategy.zero2,
                                                     recompute=Recompute.none, dp_shard="auto")), topo, spec)
     assert forced.step_time.total_s > plan.step_time.total_s
+
+
+def test_expert_groups_take_the_nvlink_pairs_a_blind_layout_misses():
+    # Four GPUs: NVLink joins 0-2 and 1-3 (50 GB/s), PCIe the rest (10 GB/s). ep=2 over dp_shard=4:
+    # the aware layout makes each expert group an NVLink pair; device order pairs 0-1 over PCIe.
+    links = tuple((a, b, 50.0 if (a, b) in ((0, 2), (1, 3)) else 10.0, 1.0, "nvlink" if (a, b) in ((0, 2), (1, 3))
+                   else "pcie") for a in range(4) for b in range(a + 1, 4))
+    wirings = Wirings(unique=(NodeWiring(devices=(0, 1, 2, 3), links=links),), node_index=(0,), devices_per_node=4)
+    aware = cluster_layout(wirings, Mesh(1, 4, 1, ep=2), True, routes_experts=True)
+    blind = cluster_layout(wirings, Mesh(1, 4, 1, ep=2), False, routes_experts=True)
+    assert {frozenset(aware.layouts[0].order[i:i + 2]) for i in (0, 2)} == {frozenset((0, 2)), frozenset((1, 3))}
+    assert aware.rings["ep"].gbps == 50.0 and blind.rings["ep"].gbps == 10.0

@@ -273,10 +273,13 @@ def _greedy_partition(n: int, k: int, group_of):
 
 @lru_cache(maxsize=256)
 def node_layout(wiring: NodeWiring, shape_in: tuple[int, ...], spans: tuple[bool, ...],
-                topology_aware: bool = True) -> NodeLayout:
+                topology_aware: bool = True, expert_group: int = 1) -> NodeLayout:
     """Order a node's GPUs for the in-node mesh `shape_in` = (rep, shard, tp) members, or
     (rep, shard, cp, tp) with context parallelism (`spans` alike).
 
+    `expert_group`: the shard members one expert-parallel group takes (its ranks over tp x cp's),
+    where it takes more than one: the shard members are first cut into such groups whose worst
+    pair is fastest (an all-to-all joins every pair), and the shard ring then runs through them.
     `spans[i]` says whether axis i continues on other nodes (its in-node ring is then a path
     between the node's network ports, not a closed ring). With `topology_aware` False the
     ranks keep the devices' own order (what a scheduler blind to the links gives: local rank j
@@ -294,7 +297,11 @@ def node_layout(wiring: NodeWiring, shape_in: tuple[int, ...], spans: tuple[bool
         items: list[tuple[int, ...]] = [(d,) for d in wiring.devices]
         items, _ = _arrange(items, tp_in, closed=not spans[3], variants=False, table=table)
         items, _ = _arrange(items, cp_in, closed=not spans[2], variants=tp_in > 1, table=table)
-        items, _ = _arrange(items, shard_in, closed=not spans[1], variants=tp_in * cp_in > 1, table=table)
+        if expert_group > 1:
+            items, _ = _arrange(items, expert_group, closed=True, variants=tp_in * cp_in > 1, table=table)
+            items, _ = _arrange(items, shard_in // expert_group, closed=not spans[1], variants=True, table=table)
+        else:
+            items, _ = _arrange(items, shard_in, closed=not spans[1], variants=tp_in * cp_in > 1, table=table)
         items, _ = _arrange(items, rep_in, closed=not spans[0], variants=False, table=table)
         order = tuple(x for it in items for x in it)
     axes = [("tp", 1, tp_in, spans[3]), ("dp_shard", tp_in * cp_in, shard_in, spans[1]),
@@ -388,7 +395,8 @@ def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True,
         inner_spans: tuple[bool, ...] = (spans[0] or spans[1], spans[2], cp_spans, spans[3])
     else:
         inner, inner_spans = (pp_in * rep_in, shape_in.dp_shard, shape_in.tp), (spans[0] or spans[1],) + spans[2:]
-    layouts = tuple(node_layout(w, inner, inner_spans, topology_aware) for w in wirings.unique)
+    expert_group = _expert_group(mesh, shape_in) if mesh.ep > 1 else 1
+    layouts = tuple(node_layout(w, inner, inner_spans, topology_aware, expert_group) for w in wirings.unique)
     if pp_in > 1:
         layouts = tuple(_with_pipeline(l, w, shape_in, spans) for l, w in zip(layouts, wirings.unique))
     per_node = shape_in.to_dict()
@@ -410,6 +418,16 @@ AXIS_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")
 EXTRA_AXES = ("cp", "dp_shard_cp", "ep", "efsdp")
 """Axes laid out only where the mesh has them: context parallelism (and the FSDP group it
 joins), and the expert mesh's two."""
+
+
+def _expert_group(mesh: Mesh, shape_in: Mesh) -> int:
+    """The shard members inside a node one expert group takes (1 where it fits in tp x cp, or
+    does not cut the node's shard members evenly)."""
+    ep_in, _ = expert_in_node(mesh, shape_in)
+    inner = shape_in.tp * shape_in.cp
+    if ep_in <= inner or ep_in % inner or shape_in.dp_shard % (ep_in // inner):
+        return 1
+    return ep_in // inner
 
 
 def _with_experts(layout: NodeLayout, wiring: NodeWiring, ep_in: int, efsdp_in: int) -> NodeLayout:
