@@ -314,3 +314,16 @@ def test_expert_groups_take_the_nvlink_pairs_a_blind_layout_misses():
     blind = cluster_layout(wirings, Mesh(1, 4, 1, ep=2), False, routes_experts=True)
     assert {frozenset(aware.layouts[0].order[i:i + 2]) for i in (0, 2)} == {frozenset((0, 2)), frozenset((1, 3))}
     assert aware.rings["ep"].gbps == 50.0 and blind.rings["ep"].gbps == 10.0
+
+
+@pytest.mark.slow
+def test_cp_crosses_islands_only_where_nothing_inside_one_fits_and_says_why():
+    # Nodes of 4 A100 40GB: cp=4 inside a node still needs 65 GB a rank, so cp spans nodes.
+    node = load_topology_file(ROOT / "tests" / "fixtures" / "topology" / "topo_4x_a100_nv4_nccltests331.txt",
+                              "A100-40GB")
+    cfg = load_config(ROOT / "jobs" / "llama3-8b-dgx-h100.yaml", ["model.block_size=131072", "cluster.gpu=A100-40GB"])
+    plan = plan_job(cfg, describe_cluster(node, 8, Network(200.0, 3.0), "A100-40GB"), LLAMA3_8B_131K)
+    assert plan.fits and plan.mesh.cp > 4
+    text = "\n".join(plan.explanation)
+    assert "cp across NVLink islands: no plan with its groups inside one island of 4 devices fits" in text
+    assert "cp: NVLink island (4 per node) and NIC across" in text
