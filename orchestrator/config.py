@@ -127,6 +127,15 @@ class ParallelConfig:
     """Tensor-parallel degree (inside an NVLink domain); `auto` lets the planner choose."""
     dp_shard: Union[int, str] = "auto"
     """Ranks each parameter is sharded over (HSDP's shard group size); `auto` to plan."""
+    cp: Union[int, str] = "auto"
+    """Context-parallel degree: ranks that split every sequence into 2 x cp head-tail chunks
+    (the mesh axis between dp_shard and tp; FSDP then shards over dp_shard x cp). `auto` lets
+    the planner choose: it searches cp from 8,192 tokens, inside the NVLink island first.
+    `model.block_size` must divide by 2 x cp."""
+    ep: Union[int, str] = "auto"
+    """Expert-parallel degree of a Mixture-of-Experts model: ranks each MoE layer's experts
+    are split over, borrowed from dp_shard x cp x tp (the rest shards each expert). `auto`
+    lets the planner choose (1 for a dense model); it must divide the routed experts."""
     pp: Union[int, str] = "auto"
     """Pipeline stages (the outermost mesh axis, across the slowest links). `auto` (the
     default) searches every degree whose stages fill whole nodes and divide the blocks, for a
@@ -426,6 +435,12 @@ def validate(cfg: JobConfig) -> None:
     t.compile = _compile_choice(t.compile)
     _auto_or_positive_int(p.tp, "parallel.tp")
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
+    _auto_or_positive_int(p.cp, "parallel.cp")
+    _auto_or_positive_int(p.ep, "parallel.ep")
+    if isinstance(p.cp, int) and m.block_size % (2 * p.cp):
+        allowed = ", ".join(str(c) for c in range(1, 65) if m.block_size % (2 * c) == 0) or "none"
+        raise ConfigError(f"key 'parallel.cp': model.block_size ({m.block_size}) must divide into 2 x cp head-tail "
+                          f"chunks, got cp={p.cp}; allowed up to 64: {allowed}")
     _auto_or_positive_int(p.pp, "parallel.pp")
     _auto_or_positive_int(p.pp_microbatches, "parallel.pp_microbatches")
     if p.trial is False:  # YAML reads a bare `off` as false
@@ -449,6 +464,9 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"key 'model.factory': expected 'package.module:callable', got {m.factory!r}")
     if isinstance(p.tp, int) and m.factory == GPT_FACTORY and m.hf_config is None and m.n_head % p.tp:
         raise ConfigError(f"key 'parallel.tp': must divide model.n_head ({m.n_head}), got {p.tp}")
+    if isinstance(p.ep, int) and p.ep > 1 and m.factory == GPT_FACTORY and m.hf_config is None:
+        raise ConfigError(f"key 'parallel.ep': the built-in GPT is dense (no experts to split), so only ep=1 runs; "
+                          f"got {p.ep}")
     _positive(cfg.cluster.num_workers, "cluster.num_workers")
     _positive(cfg.cluster.cpus_per_worker, "cluster.cpus_per_worker")
     _positive(cfg.cluster.placement_timeout_s, "cluster.placement_timeout_s")

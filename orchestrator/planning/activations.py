@@ -338,3 +338,77 @@ def _measured(shape: ModelShape, b: int, tp: int, recompute: str, v: ValueBytes,
         # No loss on this stage: the measured transient (the loss's, mostly) does not arise here.
         return _OneMicroBatch(kept, in_block, 0.0, in_block, per_block)
     return _OneMicroBatch(kept, scale * (transient - loss_grad) + b * loss_grad, b * loss_kept, in_block, per_block)
+
+
+def context_shard(shape: ModelShape, cp: int) -> ModelShape:
+    """The shape one context-parallel rank computes activations for: `seq / cp` tokens of
+    every sequence (head-tail chunks), a measured model's per-sequence figures divided
+    alike. Everything a rank keeps per token shrinks by cp; what does not scale with tokens
+    (weight gradients, autocast's weight copies) stays, as the profile prices it."""
+    if cp < 1 or shape.seq % cp:
+        raise ValueError(f"context-parallel degree {cp} must be >= 1 and divide the {shape.seq}-token sequence")
+    if cp == 1:
+        return shape
+    spec = shape.spec
+    if spec is not None:
+        spec = replace(spec, seq=spec.seq // cp,
+                       block_activation_bytes={k: v / cp for k, v in spec.block_activation_bytes.items()},
+                       root_activation_bytes=spec.root_activation_bytes / cp,
+                       backward_transient_bytes={k: v / cp for k, v in spec.backward_transient_bytes.items()})
+    return replace(shape, seq=shape.seq // cp, spec=spec)
+
+
+def kv_heads_and_width(shape: ModelShape) -> tuple[int, int]:
+    """(key/value heads, width of one head): grouped-query attention keeps fewer K/V heads."""
+    kv = shape.spec.kv_heads if shape.spec is not None else shape.heads
+    return kv, shape.hidden // shape.heads
+
+
+def gathered_kv_bytes(shape: ModelShape, micro_batch: int, cp: int, recompute: str, act_bytes: int,
+                      blocks: int) -> tuple[float, float]:
+    """(kept, transient) bytes the all-gather-KV context parallelism adds on one rank: every
+    attention layer gathers the whole sequence's K and V (`2 x S x n_kv x head_dim`), and the
+    fused kernel keeps them for backward where attention is not recomputed; the rank's own
+    1/cp of them is in the profile already. Under recomputation one layer's gathered K/V
+    live while it is recomputed and run backward: the transient."""
+    if cp <= 1:
+        return 0.0, 0.0
+    kv, width = kv_heads_and_width(shape)
+    whole = 2 * shape.seq * kv * width * act_bytes * micro_batch
+    if recompute == "none":
+        return blocks * whole * (cp - 1) / cp, whole
+    return 0.0, whole
+
+
+ROUTED_IMBALANCE = 1.25
+"""The most routed rows an expert-parallel rank is planned to receive, over its balanced share
+(`tokens x top_k`): DeepSeek-V3's aux-loss-free balancing holds the busiest rank near 1.1-1.3x
+its share; the memory and the busiest rank's expert compute are priced at this allowance."""
+
+
+def routed_rows(shape: ModelShape, micro_batch: int, cp: int, tp: int) -> float:
+    """Routed rows one rank dispatches per MoE layer and micro-batch at balance: its tokens
+    (the sequence split over cp, and over tp, as the sequence-parallel MoE input torchtitan
+    dispatches) times top_k."""
+    experts = shape.spec.experts if shape.spec is not None else None
+    if experts is None:
+        return 0.0
+    return micro_batch * shape.seq / (cp * tp) * experts.top_k
+
+
+def routed_activation_bytes(shape: ModelShape, micro_batch: int, cp: int, tp: int, ep: int, recompute: str,
+                            act_bytes: int, moe_blocks: float) -> tuple[float, float]:
+    """(kept, transient) bytes the routed experts' imbalance adds on the busiest expert-parallel
+    rank: per MoE layer its rows (`routed_rows`) each keep the dispatched input and the expert
+    output (2 d) and the SwiGLU's gate, up and product (3 F); the measured profile holds the
+    balanced share, the allowance (`ROUTED_IMBALANCE`) adds the rest. Kept by every MoE layer
+    without full recomputation; under it, one layer's recomputed while it runs backward. At
+    ep=1 every rank runs its own tokens: no imbalance."""
+    experts = shape.spec.experts if shape.spec is not None else None
+    if experts is None or ep <= 1:
+        return 0.0, 0.0
+    layer = (ROUTED_IMBALANCE - 1) * routed_rows(shape, micro_batch, cp, tp) * (
+        2 * shape.hidden + 3 * experts.expert_hidden) * act_bytes
+    if recompute == "full":
+        return 0.0, layer
+    return moe_blocks * layer, 0.0

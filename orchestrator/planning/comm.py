@@ -295,3 +295,24 @@ def group_all_gather(nbytes: float, g: GroupLinks, units: int = 1) -> float:
         one = gloo_all_gather(nbytes / units, g.size, g.flat_gbps, g.flat_lat_us, g.gloo_mem_gbps, g.wire_bound)
         return units * one
     return nccl_ring_seconds(nbytes, g, units)
+
+
+def group_all_to_all(intra_bytes: float, inter_bytes: float, g: GroupLinks) -> float:
+    """An all-to-all over the group where each rank sends `intra_bytes` to members on its own
+    node and `inter_bytes` to members on others: both flows run at once, the in-node one over
+    the slowest pair of members (`RingStats` of an all-to-all axis), the other over the rank's
+    share of the node's network (every member sends at once); the slower bounds it. On gloo
+    each of the p-1 peers costs a step of gloo's latency, and the rank copies what it sends
+    and receives through host memory."""
+    if g.size == 1 or intra_bytes + inter_bytes == 0:
+        return 0.0
+    if intra_bytes < 0 or inter_bytes < 0:
+        raise ValueError(f"bytes sent are >= 0, got {intra_bytes} in the node and {inter_bytes} across")
+    inside = intra_bytes / (g.intra_gbps * 1e9) if intra_bytes else 0.0
+    across = inter_bytes / (g.inter_gbps / g.per_node * 1e9) if inter_bytes else 0.0
+    latency = (g.intra_lat_us if intra_bytes else 0.0) + (g.inter_lat_us if inter_bytes else 0.0)
+    if g.gloo_mem_gbps is not None:
+        steps = (g.size - 1) * (latency + GLOO_STEP_US) * 1e-6
+        return GLOO_LAUNCH_US * 1e-6 + steps + GLOO_RING_SLOWDOWN * max(inside, across) + \
+            _memory_s(2 * (intra_bytes + inter_bytes), g.gloo_mem_gbps)
+    return LAUNCH_S + latency * 1e-6 + max(inside, across)

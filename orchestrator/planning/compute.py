@@ -181,3 +181,25 @@ def matmul_seconds(flops: float, speed: DeviceSpeed, eff: float) -> float:
 def optimizer_seconds(state_bytes: float, speed: DeviceSpeed) -> float:
     """AdamW's step is memory bound: it streams the rank's weights, gradients and moments."""
     return _OPTIMIZER_PASSES * state_bytes / (speed.mem_gbps * 1e9)
+
+
+def expert_efficiency(rows_per_expert: float, hidden: int, expert_hidden: int, speed: DeviceSpeed | None = None,
+                      on_gpu: bool = True) -> float:
+    """Fraction of peak a grouped matmul of routed experts reaches, each expert taking
+    `rows_per_expert` rows: its SwiGLU's gate and up projections (rows x 2F x d) and its down
+    projection (rows x d x F), each run forward, for its input's gradient and for its weight's
+    gradient. Few rows per expert (many experts on one rank, ep=1) make small, memory-bound
+    GEMMs; expert parallelism gathers every rank's rows for fewer experts."""
+    rows = max(1, int(rows_per_expert))
+    if not on_gpu:
+        return efficiency(rows, expert_hidden, 1, None, False)
+    if speed is None:
+        raise ValueError("a GPU's efficiency needs its speed (peak, memory bandwidth, SMs)")
+    ridge = speed.peak_tflops / speed.mem_gbps * 1e3
+    flops = seconds = 0.0
+    for m, n, k in ((rows, 2 * expert_hidden, hidden), (rows, hidden, expert_hidden)):
+        for shape in ((m, n, k), (m, k, n), (k, n, m)):
+            f = 2.0 * m * n * k
+            flops += f
+            seconds += f / gemm_efficiency(*shape, speed.sms, ridge)
+    return MAX_EFFICIENCY * flops / seconds

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
+from .activations import ROUTED_IMBALANCE, kv_heads_and_width, routed_rows
 from .calibration import UNCALIBRATED, Calibration
 from .comm import (
     GLOO_LAUNCH_US,
@@ -15,13 +16,29 @@ from .comm import (
     gloo_all_reduce,
     group_all_gather,
     group_all_reduce,
+    group_all_to_all,
     group_reduce_scatter,
 )
-from .compute import DeviceSpeed, efficiency, elementwise_seconds, matmul_seconds, optimizer_seconds
+from .compute import (
+    DeviceSpeed,
+    efficiency,
+    elementwise_seconds,
+    expert_efficiency,
+    matmul_seconds,
+    optimizer_seconds,
+)
 from .layout import ClusterLayout
-from .memory import ByteLayout, MemoryBreakdown, params_per_tp_rank, rank_memory, runtime_states
+from .memory import (
+    ByteLayout,
+    MemoryBreakdown,
+    expert_states,
+    moe_blocks_of,
+    params_per_tp_rank,
+    rank_memory,
+    runtime_states,
+)
 from .mesh import Mesh
-from .model_math import ModelShape, block_params, flops_per_step, root_params
+from .model_math import ModelShape, block_params, flops_per_step, root_params, routed_params_per_block
 from .pipeline import StageShare, bubble_fraction, resolve_pipeline, slowest_stage, stage_cost, stage_share
 from .resolve import Execution, Unsupported, resolve
 from .sync import MB, SyncPlan, auto_bucket_mb, wire_bytes_per_grad
@@ -115,10 +132,21 @@ class Estimate:
         return self.memory.total <= usable
 
 
+def axis_size(mesh: Mesh, axis: str) -> int:
+    """Ranks in one group of `axis`: a mesh axis, or `dp_shard_cp`, the FSDP group context
+    parallelism joins (dp_shard x cp)."""
+    return mesh.dp_shard * mesh.cp if axis == "dp_shard_cp" else mesh.size(axis)
+
+
+def fsdp_axis(mesh: Mesh) -> str:
+    """The axis FSDP shards the dense model over: dp_shard, joined by cp where it has ranks."""
+    return "dp_shard_cp" if mesh.cp > 1 else "dp_shard"
+
+
 def group_links(ctx: JobContext, layout: ClusterLayout, axis: str) -> GroupLinks:
     """The links a group of `axis` runs over: its in-node ring, and its share of the network
     (every group of the axis on a node communicates at once, so they split the node's ports)."""
-    size = layout.mesh.size(axis)
+    size = axis_size(layout.mesh, axis)
     per_node = layout.per_node[axis]
     ring = layout.rings[axis]
     spans = size > per_node
@@ -250,24 +278,55 @@ def compute_term(ctx: JobContext, cand: Candidate) -> ComputeTerm:
     slowest pipeline stage's share of them on each, at the GEMM efficiency of one micro-batch;
     the optimizer steps the states the rank keeps."""
     shape, choice, pipeline = ctx.shape, cand.choice, cand.execution.pipeline
-    tp, dp = choice.mesh.tp, choice.mesh.dp
-    flops = flops_per_step(shape, ctx.global_batch, choice.recompute) / (dp * tp) * cand.work
-    gemm_efficiency = efficiency(choice.micro_batch * shape.seq, shape.hidden, tp, ctx.speed, ctx.on_gpu)
-    matmul_s = matmul_seconds(flops, ctx.speed, gemm_efficiency)
+    tp, dp, cp = choice.mesh.tp, choice.mesh.dp, choice.mesh.cp
+    flops = flops_per_step(shape, ctx.global_batch, choice.recompute) / (dp * tp * cp) * cand.work
+    routed = min(flops, routed_expert_flops(ctx, cand))
+    gemm_efficiency = efficiency(choice.micro_batch * shape.seq // cp, shape.hidden, tp, ctx.speed, ctx.on_gpu)
+    matmul_s = matmul_seconds(flops - routed, ctx.speed, gemm_efficiency) + expert_seconds(ctx, cand, routed)
     if ctx.on_gpu:
-        matmul_s += elementwise_seconds(ctx.global_batch * shape.seq / dp, shape.hidden, tp, cand.blocks,
+        matmul_s += elementwise_seconds(ctx.global_batch * shape.seq / (dp * cp), shape.hidden, tp, cand.blocks,
                                         str(choice.recompute), ctx.layout.activation, ctx.speed)
     step_flops = flops_per_step(shape, ctx.global_batch, choice.recompute)
     forward_share = flops_per_step(shape, ctx.global_batch, "none") / 3 / step_flops
     # Under a pipeline ddp and zero1 run as FSDP2 (see resolve): their memory is FSDP2's.
-    states = runtime_states(cand.execution.wrapping if pipeline else choice.strategy, shape, tp,
-                            cand.execution.shard_group, ctx.layout, cand.share)
+    wrapping = cand.execution.wrapping if pipeline else choice.strategy
+    states = runtime_states(wrapping, shape, tp, cand.execution.shard_group, ctx.layout, cand.share)
+    experts = expert_states(wrapping, shape, tp, choice.mesh.ep, choice.mesh.efsdp, ctx.layout, cand.share)
+    stepped = states.params + states.grads + states.optimizer + experts.params + experts.grads + experts.optimizer
     return ComputeTerm(matmul_s=matmul_s,
-                       compute_s=matmul_s + optimizer_seconds(states.params + states.grads + states.optimizer,
-                                                              ctx.speed),
+                       compute_s=matmul_s + optimizer_seconds(stepped, ctx.speed),
                        forward_s=matmul_s / cand.accum * forward_share,
                        backward_s=matmul_s / cand.accum * (1 - forward_share),
                        bubble_s=matmul_s * pipeline.bubble if pipeline else 0.0)
+
+
+def routed_expert_flops(ctx: JobContext, cand: Candidate) -> float:
+    """FLOPs of the routed experts on one rank and step at balance: each routed row runs one
+    expert's SwiGLU, 2 x 3 d F FLOPs forward (top_k of the active parameters per token), twice
+    that backward and once more under full recomputation. 0 for a dense model."""
+    shape, choice = ctx.shape, cand.choice
+    experts = shape.spec.experts if shape.spec is not None else None
+    if experts is None:
+        return 0.0
+    passes = 3 + (1 if str(choice.recompute) == "full" else 0)
+    rows = routed_rows(shape, choice.micro_batch, choice.mesh.cp, choice.mesh.tp) * cand.accum
+    per_row = 2 * 3 * shape.hidden * experts.expert_hidden
+    return rows * moe_blocks_of(shape, cand.share) * per_row * passes
+
+
+def expert_seconds(ctx: JobContext, cand: Candidate, routed_flops: float) -> float:
+    """Seconds of the routed experts' grouped matmuls: at the efficiency of the rows each local
+    expert takes (`expert_efficiency`: ep ranks' rows for each of `experts / ep`), and on the
+    busiest expert-parallel rank `ROUTED_IMBALANCE` of its share; at ep=1 every rank runs its
+    own rows through every expert, balanced."""
+    if routed_flops <= 0:
+        return 0.0
+    shape, choice = ctx.shape, cand.choice
+    assert shape.spec is not None and shape.spec.experts is not None, "routed FLOPs need experts"
+    experts, ep = shape.spec.experts, choice.mesh.ep
+    rows_per_expert = routed_rows(shape, choice.micro_batch, choice.mesh.cp, choice.mesh.tp) * ep / experts.experts
+    eff = expert_efficiency(rows_per_expert, shape.hidden, experts.expert_hidden, ctx.speed, ctx.on_gpu)
+    return matmul_seconds(routed_flops * (ROUTED_IMBALANCE if ep > 1 else 1.0), ctx.speed, eff)
 
 
 @dataclass(slots=True)
@@ -296,7 +355,7 @@ def tensor_parallel_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate
     if tp <= 1:
         return CommTerm()
     links = group_links(ctx, layout, "tp")
-    activation = choice.micro_batch * ctx.shape.seq * ctx.shape.hidden * ctx.layout.activation
+    activation = choice.micro_batch * ctx.shape.seq // choice.mesh.cp * ctx.shape.hidden * ctx.layout.activation
     if ctx.on_gpu:
         per_all_reduce, _ = all_reduce(activation, tp, links.flat_gbps, links.flat_lat_us)
     else:
@@ -316,7 +375,7 @@ def pipeline_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> Co
         return CommTerm()
     shape = ctx.shape
     links = group_links(ctx, layout, "pp")
-    activation = cand.choice.micro_batch * shape.seq * shape.hidden * ctx.layout.activation
+    activation = cand.choice.micro_batch * shape.seq // cand.choice.mesh.cp * shape.hidden * ctx.layout.activation
     send = p2p_seconds(activation, links.flat_gbps, links.flat_lat_us, ctx.on_gpu)
     parts = {"pipeline p2p": 2 * pipeline.virtual * pipeline.microbatches * send}
     exposed = 2 * (pipeline.stages * pipeline.virtual - 1) * send
@@ -328,6 +387,111 @@ def pipeline_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> Co
         tied = shape.vocab * shape.hidden * ctx.layout.grads / cand.execution.shard_group
         parts["tied embedding sync"] = p2p_seconds(tied, links.flat_gbps, links.flat_lat_us, ctx.on_gpu)
         exposed += parts["tied embedding sync"]
+    return CommTerm(parts=parts, exposed_s=(exposed,))
+
+
+def context_parallel_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> CommTerm:
+    """All-gather-KV context parallelism: every attention layer all-gathers the sequence's K
+    and V over the cp group in forward (`(cp-1)/cp x 2 x S x n_kv x head_dim x bytes` per
+    rank) and reduce-scatters their gradients in backward; recomputing attention (selective
+    or full) gathers them again. On the link the cp group spans; q waits for its K/V, so
+    nothing hides it, and a pipeline's bubble stretches it as it does compute."""
+    choice, pipeline, cp = cand.choice, cand.execution.pipeline, cand.choice.mesh.cp
+    if cp <= 1:
+        return CommTerm()
+    links = group_links(ctx, layout, "cp")
+    kv, width = kv_heads_and_width(ctx.shape)
+    gathered = 2 * choice.micro_batch * ctx.shape.seq * kv * width * ctx.layout.activation
+    gathers = 2 if str(choice.recompute) != "none" else 1
+    per_block = gathers * group_all_gather(gathered, links) + group_reduce_scatter(gathered, links)
+    seconds = cand.accum * cand.blocks * per_block * (1 + (pipeline.bubble if pipeline else 0.0))
+    return CommTerm(parts={"cp K/V all-gather": seconds}, exposed_s=(seconds,))
+
+
+NODE_LIMIT = 4
+"""Islands a token's experts may sit on when an expert group spans several (DeepSeek-V3's
+node-limited routing, M=4), unless the model's own group-limited routing says fewer."""
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How tokens reach an expert group that spans NVLink islands: node-limited routing."""
+
+    groups: int
+    """Router groups: one per island the expert group spans (its experts split by island)."""
+    top_groups: int
+    """Groups (islands) each token's experts may come from."""
+
+
+def expert_routing(ctx: JobContext, layout: ClusterLayout) -> ExpertRouting | None:
+    """Node-limited routing for an expert group that spans islands (None inside one): the
+    group count is the islands it spans, each token limited to the model's own top groups
+    where it routes by groups, else to `NODE_LIMIT`, and never more than its top_k."""
+    experts = ctx.shape.spec.experts if ctx.shape.spec is not None else None
+    mesh = layout.mesh
+    if experts is None or mesh.ep <= 1 or mesh.ep <= layout.per_node["ep"]:
+        return None
+    islands = mesh.ep // layout.per_node["ep"]
+    limit = experts.router_top_groups if experts.router_groups > 1 else NODE_LIMIT
+    return ExpertRouting(groups=islands, top_groups=min(islands, limit, experts.top_k))
+
+
+def expert_parallel_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> CommTerm:
+    """The expert all-to-alls: per MoE layer and micro-batch, dispatch and combine each send
+    `top_k x hidden x bytes x (ep-1)/ep` per token (the rank's rows, `routed_rows`), in
+    forward, again in backward, and once more under full recomputation; the busiest rank
+    receives `ROUTED_IMBALANCE` of its share, which sets the pace. In-node members take
+    theirs over the island's links; across islands, node-limited routing (`expert_routing`)
+    sends each token once per destination island (DeepEP's dedup), `top_groups` copies at
+    most. Nothing hides it (the experts wait for their rows)."""
+    choice, mesh, pipeline = cand.choice, cand.choice.mesh, cand.execution.pipeline
+    if mesh.ep <= 1:
+        return CommTerm()
+    links = group_links(ctx, layout, "ep")
+    rows = routed_rows(ctx.shape, choice.micro_batch, mesh.cp, mesh.tp)
+    row_bytes = ctx.shape.hidden * ctx.layout.activation
+    ep_in = layout.per_node["ep"]
+    intra = rows * row_bytes * (ep_in - 1) / mesh.ep
+    routing = expert_routing(ctx, layout)
+    inter = 0.0
+    if routing is not None:
+        assert ctx.shape.spec is not None and ctx.shape.spec.experts is not None, "routing needs experts"
+        tokens = rows / ctx.shape.spec.experts.top_k
+        inter = tokens * routing.top_groups * row_bytes * (routing.groups - 1) / routing.groups
+    one = ROUTED_IMBALANCE * group_all_to_all(intra, inter, links)
+    passes = 4 + (2 if str(choice.recompute) == "full" else 0)
+    seconds = cand.accum * moe_blocks_of(ctx.shape, cand.share) * passes * one * (
+        1 + (pipeline.bubble if pipeline else 0.0))
+    return CommTerm(parts={"ep all-to-all": seconds}, exposed_s=(seconds,))
+
+
+def expert_sync_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate, compute: ComputeTerm,
+                     dense_s: float) -> CommTerm:
+    """FSDP2 over the experts' own group (efsdp, what ep leaves of dp_shard x cp x tp): per MoE
+    layer the rank's `experts / ep` all-gathered forward, again for backward where the
+    strategy reshards (zero3, hsdp), their gradients reduce-scattered on each sync, and under
+    hsdp all-reduced across the replicas. At ep=1 this is the FSDP-only alternative: the whole
+    expert set gathered per layer. It hides behind what compute the dense gradient sync
+    (`dense_s`) leaves."""
+    shape, runs, mesh = ctx.shape, cand.execution, cand.choice.mesh
+    blocks = moe_blocks_of(shape, cand.share)
+    if not blocks or runs.ddp_reduces:
+        return CommTerm()
+    local_layer = routed_params_per_block(shape) / mesh.ep
+    parts = {}
+    if mesh.efsdp > 1:
+        links = group_links(ctx, layout, "efsdp")
+        gather = group_all_gather(local_layer * ctx.layout.compute, links)
+        reduce = group_reduce_scatter(local_layer * wire_bytes_per_gradient(ctx, cand), links)
+        gathers = 2 * cand.accum if runs.reshard_after_forward else 1
+        parts["expert all-gather"] = blocks * gathers * gather
+        parts["expert reduce-scatter"] = blocks * cand.syncs * reduce
+    if runs.fsdp_replicates and mesh.dp_replicate > 1:
+        replicas = group_links(ctx, layout, "dp_replicate")
+        shard_bytes = blocks * local_layer / mesh.efsdp * wire_bytes_per_gradient(ctx, cand)
+        parts["expert replica all-reduce"] = cand.syncs * group_all_reduce(shard_bytes, replicas, "flat")[0]
+    total = sum(parts.values())
+    exposed = overlapped(total, max(0.0, compute.matmul_s - dense_s)) if ctx.on_gpu else total
     return CommTerm(parts=parts, exposed_s=(exposed,))
 
 
@@ -380,7 +544,7 @@ def sharded_sync_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate, c
     ring's latency: at hundreds of ranks that, not bandwidth, is what small units cost. All but
     the last unit's hide behind the pass they serve."""
     runs, syncs, accum = cand.execution, cand.syncs, cand.accum
-    links = group_links(ctx, layout, "dp_shard")
+    links = group_links(ctx, layout, fsdp_axis(cand.choice.mesh))
     per_gradient = wire_bytes_per_gradient(ctx, cand)
     grad_bytes = cand.params_per_rank * per_gradient
     block_wire = cand.block_params * per_gradient
@@ -478,8 +642,12 @@ def estimate(ctx: JobContext, layout: ClusterLayout, choice: Choice) -> Estimate
     Unsupported when it cannot run at all."""
     cand = candidate(ctx, choice)
     compute = compute_term(ctx, cand)
-    model_parallel = (tensor_parallel_term(ctx, layout, cand), pipeline_term(ctx, layout, cand))
+    model_parallel: tuple[CommTerm, ...] = (tensor_parallel_term(ctx, layout, cand), pipeline_term(ctx, layout, cand),
+                      context_parallel_term(ctx, layout, cand), expert_parallel_term(ctx, layout, cand))
     gradient_sync = data_parallel_terms(ctx, layout, cand, compute)
+    if ctx.shape.spec is not None and ctx.shape.spec.experts is not None:
+        dense_s = sum(s for term in gradient_sync for s in term.parts.values())
+        model_parallel += (expert_sync_term(ctx, layout, cand, compute, dense_s),)
     parts: dict[str, float] = {}
     for term in model_parallel + gradient_sync:
         parts.update(term.parts)
@@ -558,16 +726,19 @@ def _peak_memory(ctx: JobContext, choice: Choice, runs: Execution, bucket_bytes:
     args = (wrapping, ctx.shape, choice.mesh.tp, runs.shard_group, choice.micro_batch, choice.recompute, ctx.layout,
             bucket_bytes,
             ctx.on_gpu)
+    mesh = choice.mesh
     pipeline = runs.pipeline
     if pipeline is None:
-        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, choice))
+        return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, choice),
+                           cp=mesh.cp, ep=mesh.ep, efsdp=mesh.efsdp)
     # Activations in flight fall with the stage index and blocks differ by at most one between
     # middle stages, so the fullest rank is the first, the second, the last, or the first middle
     # stage with the most blocks.
     middle = range(1, pipeline.stages - 1)
     most = max(middle, key=lambda stage: stage_share(ctx.shape, pipeline, stage).blocks, default=0)
     return max((rank_memory(*args, share=stage_share(ctx.shape, pipeline, stage),
-                            held_grad_bytes=held, micro_steps=pipeline.microbatches)
+                            held_grad_bytes=held, micro_steps=pipeline.microbatches, cp=mesh.cp, ep=mesh.ep,
+                            efsdp=mesh.efsdp)
                 for stage in sorted({0, min(1, pipeline.stages - 1), most, pipeline.stages - 1})),
                key=lambda memory: memory.total)
 
@@ -578,7 +749,8 @@ def compute_floor(ctx: JobContext, mesh: Mesh, micro_batch: int, recompute: Reco
     matmuls split perfectly over every rank, and the smallest bubble a pipeline of that many
     micro-batches can have (interleaved with two chunks, zero-bubble's third of it), nothing
     else."""
-    gemm_efficiency = efficiency(micro_batch * ctx.shape.seq, ctx.shape.hidden, mesh.tp, ctx.speed, ctx.on_gpu)
+    gemm_efficiency = efficiency(micro_batch * ctx.shape.seq // mesh.cp, ctx.shape.hidden, mesh.tp, ctx.speed,
+                                 ctx.on_gpu)
     busy = matmul_seconds(flops_per_step(ctx.shape, ctx.global_batch, str(recompute)) / mesh.world_size, ctx.speed,
                           gemm_efficiency)
     microbatches = max(1, ctx.global_batch // (mesh.dp * micro_batch))

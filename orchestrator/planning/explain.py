@@ -10,9 +10,10 @@ from ..choices import AccumSync, Compression, Recompute
 from ..config import JobConfig
 from ..topology.model import ClusterTopology, Device
 from .compute import unlisted_note
-from .cost import Estimate, JobContext, estimate, ties_head
+from .cost import Estimate, JobContext, estimate, expert_routing, ties_head
 from .layout import ClusterLayout, Wirings
 from .memory import CUDA_CONTEXT_BYTES, MEMORY_MARGIN
+from .mesh import AXES, EXPERT_AXES, Mesh
 from .model_math import ModelShape, model_flops_per_step
 from .pipeline import stage_share
 from .plan import Alternative, _gb
@@ -96,6 +97,7 @@ def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluster
         lines.append("layout: the most talkative axis on the fastest links; "
                      + "; ".join(_describe_axis(a, cluster_layout, ctx) for a in ("tp", "dp_shard", "dp_replicate")
                                  if cluster_layout.mesh.size(a) > 1))
+    lines += axis_lines(res, ctx, topo)
     lines.append(f"gradient sync: {priced.schedule}; bucket {priced.sync.bucket_mb:g} MB, "
                  f"compression {priced.sync.compression}, "
                  f"overlap {'on' if priced.sync.overlap else 'off (gloo shares the CPU cores with compute)'}")
@@ -123,6 +125,61 @@ def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluster
                      "DDP comm hooks, which a pipeline's FSDP2 stages do not run (parallel.pp=2 forces one)")
     lines += [f"runs as: {note}" for note in priced.execution.notes]
     return lines
+
+
+LINK_AXES = ("tp", "cp", "ep", "dp_shard", "efsdp", "dp_replicate", "pp")
+"""Axes the explanation places on links, innermost first (the expert mesh's beside the dense one's)."""
+
+
+def _link_kind(gbps: float, topo: ClusterTopology) -> str:
+    """The kind of in-node link a ring's bottleneck is (`NVLink`, `PCIe`, ...)."""
+    kinds = {l.kind for n in topo.nodes for l in n.links if math.isclose(l.bandwidth_gbps, gbps)}
+    kind = "nvlink" if "nvlink" in kinds else (sorted(kinds)[0] if kinds else "")
+    return {"nvlink": "NVLink island", "": "links"}.get(kind, f"{kind.upper() if len(kind) <= 4 else kind} links")
+
+
+def axis_links(cluster_layout: ClusterLayout, ctx: JobContext, topo: ClusterTopology) -> list[str]:
+    """Which link each axis with more than one rank sits on: inside one island (a node, or a
+    multi-node NVLink domain planned as one), over the NICs between them, or both."""
+    mesh, out = cluster_layout.mesh, []
+    for axis in LINK_AXES:
+        size = mesh.size(axis)
+        inside = cluster_layout.per_node.get(axis, 1)
+        if size <= 1 or axis not in cluster_layout.rings:
+            continue
+        island = _link_kind(cluster_layout.rings[axis].gbps, topo)
+        if size <= inside:
+            out.append(f"{axis}: {island} (node 0)")
+        elif inside > 1:
+            out.append(f"{axis}: {island} ({inside} per node) and NIC across {size // inside} nodes")
+        else:
+            out.append(f"{axis}: NIC")
+    return out or ["one rank: none"]
+
+
+def axis_lines(res: SearchResult, ctx: JobContext, topo: ClusterTopology) -> list[str]:
+    """The links each axis sits on, a Mixture of Experts' two factorisations, and why the plan
+    has the context and expert parallelism it has. Dense plans without context parallelism
+    keep the lines they always had."""
+    assert res.best is not None and res.layout is not None, "a chosen plan is laid out"
+    mesh = res.best.choice.mesh
+    moe = ctx.shape.spec is not None and ctx.shape.spec.experts is not None
+    lines = ["links: " + "; ".join(axis_links(res.layout, ctx, topo))] if mesh.cp > 1 or moe else []
+    if moe:
+        lines.append(factorisations(mesh, res.layout, ctx))
+    return lines + res.notes
+
+
+def factorisations(mesh: Mesh, cluster_layout: ClusterLayout, ctx: JobContext) -> str:
+    """The two factorisations of a Mixture of Experts' ranks, and its routing where an expert
+    group spans islands."""
+    line = (f"factorisations: dense {' x '.join(f'{a}={n}' for a, n in zip(AXES, mesh.shape))}; "
+            f"experts {' x '.join(f'{a}={n}' for a, n in zip(EXPERT_AXES, mesh.expert_shape))}")
+    routing = expert_routing(ctx, cluster_layout)
+    if routing is not None:
+        line += (f"; the expert group spans {routing.groups} islands, so routing is node-limited: "
+                 f"{routing.groups} groups (one per island), each token to at most {routing.top_groups}")
+    return line
 
 
 GRAD_PARTS = ("grad all-reduce", "grad reduce-scatter", "replica all-reduce")

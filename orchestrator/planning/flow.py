@@ -102,6 +102,7 @@ def plan_job(cfg: JobConfig, topology: ClusterTopology, spec: ModelSpec | None =
     shape = model_shape(cfg, spec)
     ctx = _context(cfg, topology, shape, calibration)
     tp_heads = _tp_heads(cfg, shape, spec)
+    _check_experts(cfg, spec)
     try:
         wirings = Wirings.of(topology)
     except ValueError as error:
@@ -162,6 +163,22 @@ def _tp_heads(cfg: JobConfig, shape: ModelShape, spec: ModelSpec | None) -> int:
                         f"so only tp=1 can run; got {cfg.parallel.tp}")
     # A model without a tensor-parallel plan gets none: no head count but 1 divides by tp > 1.
     return (math.gcd(spec.heads, spec.kv_heads) if spec else shape.heads) if shape.tp_capable else 1
+
+
+def _check_experts(cfg: JobConfig, spec: ModelSpec | None) -> None:
+    """PlanError where `parallel.ep` is forced to what the model's experts cannot run: above one
+    on a dense model, or not dividing the routed experts."""
+    ep = cfg.parallel.ep
+    if not isinstance(ep, int) or ep == 1:
+        return
+    if spec is None or spec.experts is None:
+        raise PlanError(f"key 'parallel.ep': {spec.name if spec else 'the model'} is dense (no experts to split), so "
+                        f"only ep=1 runs; got {ep}")
+    experts = spec.experts
+    if experts.experts % ep:
+        allowed = ", ".join(str(d) for d in range(1, experts.experts + 1) if experts.experts % d == 0)
+        raise PlanError(f"key 'parallel.ep': must divide the {experts.experts} routed experts of {spec.name}, got "
+                        f"{ep}; allowed: {allowed}")
 
 
 def _unforced_suggestion(ctx: JobContext, wirings: Wirings, constraints: Constraints, tp_heads: int,

@@ -1,14 +1,21 @@
 """Rank layout: which GPU of which node each global rank of the mesh sits on.
 
-The mesh is (dp_replicate, dp_shard, tp) with tp varying fastest, as `init_device_mesh`
+The mesh is (dp_replicate, dp_shard, cp, tp) with tp varying fastest, as `init_device_mesh`
 numbers it, and node n holds the ranks [n*g, (n+1)*g). What is left to choose is the order
 of a node's GPUs under its local ranks; that order decides which links each axis's rings
-cross. The axes are placed innermost first (tp, then the part of dp_shard inside the node,
-then dp_replicate), each on the best links the axes before it left: the tensor-parallel
+cross. The axes are placed innermost first (tp, then cp, then the part of dp_shard inside the
+node, then dp_replicate), each on the best links the axes before it left: the tensor-parallel
 groups take the set partition of the GPUs whose worst ring is fastest (NVLink-bridged pairs,
 the GPUs under one PCIe switch, the fully connected quads of a cube mesh), the next axis then
 aligns those groups so that its own rings are fastest. Nodes with the same wiring get the same
 order, computed once; ties keep the GPUs' own order, so equal links give the identity layout.
+
+A node here is an NVLink island: an HGX node, or a multi-node NVLink domain (NVL72) the
+cluster view merged into one. Context- and expert-parallel groups are the next-innermost
+ranks after tp, so they stay inside an island whenever they fit in one. The expert axis is a
+second factorisation of the same ranks: its groups are runs of `ep` consecutive ranks, its
+all-to-all priced by the slowest pair of members it joins, and the experts' FSDP group
+(`efsdp`) is strided by ep.
 """
 
 from __future__ import annotations
@@ -78,31 +85,51 @@ class NodeLayout:
 def in_node_shape(mesh: Mesh, g: int) -> Mesh:
     """The members of each axis inside one node of g ranks; ValueError when the mesh does not
     cut into whole nodes. A pipeline stage either fills whole nodes or several stages share a
-    node (pp is the outermost axis, so it is the last to enter a node)."""
-    rep, shard, tp = mesh.dp_replicate, mesh.dp_shard, mesh.tp
+    node (pp is the outermost axis, so it is the last to enter a node). The expert axis is
+    placed alike (`expert_in_node`), not here: it refactors the same ranks."""
+    rep, shard, cp, tp = mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.tp
     if g < 1:
         raise ValueError(f"a node needs at least one device, got {g}")
     if tp > g or g % tp:
         raise ValueError(f"tp={tp} must divide the {g} devices of a node (tensor parallelism stays inside a node)")
-    stage = rep * shard * tp
+    stage = rep * shard * cp * tp
     if mesh.pp > 1:
         if stage < g:
             if g % stage or mesh.pp % (g // stage):
                 raise ValueError(f"a pipeline stage of {stage} ranks must divide a node's {g} devices, and the "
                                  f"{mesh.pp} stages fill whole nodes")
-            return Mesh(rep, shard, tp, pp=g // stage)
+            return Mesh(rep, shard, tp, pp=g // stage, cp=cp)
         if stage % g:
             raise ValueError(f"a pipeline stage of {stage} ranks must fill whole nodes of {g} devices")
     rest = g // tp
+    if cp >= rest:
+        if cp % rest:
+            raise ValueError(f"cp={cp} must be a multiple of the {rest} tp groups of a node, or divide it")
+        return Mesh(1, 1, tp, cp=rest)
+    if rest % cp:
+        raise ValueError(f"cp={cp} must divide the {rest} tp groups of a node, or be a multiple of it")
+    rest //= cp
     if shard >= rest:
         if shard % rest:
             raise ValueError(f"dp_shard={shard} must be a multiple of the {rest} tp groups of a node, or divide it")
-        return Mesh(1, rest, tp)
+        return Mesh(1, rest, tp, cp=cp)
     if rest % shard:
         raise ValueError(f"dp_shard={shard} must divide the {rest} tp groups of a node, or be a multiple of it")
-    if rep * shard * tp < g:
+    if rep * shard * cp * tp < g:
         raise ValueError(f"the mesh {mesh} has fewer ranks than one node's {g} devices")
-    return Mesh(rest // shard, shard, tp)
+    return Mesh(rest // shard, shard, tp, cp=cp)
+
+
+def expert_in_node(mesh: Mesh, shape_in: Mesh) -> tuple[int, int]:
+    """(ep, efsdp) members inside one node: an expert group is `ep` consecutive ranks of the
+    node's `dp_shard x cp x tp` block, so it fills what of that block the node holds (and
+    spans nodes beyond it); the experts' FSDP group takes the rest."""
+    borrowed_in = shape_in.dp_shard * shape_in.cp * shape_in.tp
+    ep_in = math.gcd(mesh.ep, borrowed_in)
+    if mesh.ep > borrowed_in and mesh.ep % borrowed_in:
+        raise ValueError(f"ep={mesh.ep} must be a multiple of the {borrowed_in} ranks of dp_shard x cp x tp a node "
+                         f"holds, or divide them")
+    return ep_in, borrowed_in // ep_in
 
 
 def _ring(members: list[int], closed: bool,
@@ -245,16 +272,22 @@ def _greedy_partition(n: int, k: int, group_of):
 
 
 @lru_cache(maxsize=256)
-def node_layout(wiring: NodeWiring, shape_in: tuple[int, int, int], spans: tuple[bool, bool, bool],
-                topology_aware: bool = True) -> NodeLayout:
-    """Order a node's GPUs for the in-node mesh `shape_in` = (rep, shard, tp) members.
+def node_layout(wiring: NodeWiring, shape_in: tuple[int, ...], spans: tuple[bool, ...],
+                topology_aware: bool = True, expert_group: int = 1) -> NodeLayout:
+    """Order a node's GPUs for the in-node mesh `shape_in` = (rep, shard, tp) members, or
+    (rep, shard, cp, tp) with context parallelism (`spans` alike).
 
+    `expert_group`: the shard members one expert-parallel group takes (its ranks over tp x cp's),
+    where it takes more than one: the shard members are first cut into such groups whose worst
+    pair is fastest (an all-to-all joins every pair), and the shard ring then runs through them.
     `spans[i]` says whether axis i continues on other nodes (its in-node ring is then a path
     between the node's network ports, not a closed ring). With `topology_aware` False the
     ranks keep the devices' own order (what a scheduler blind to the links gives: local rank j
     on device j), and only the rings that order crosses are measured."""
-    rep_in, shard_in, tp_in = shape_in
-    if rep_in * shard_in * tp_in != len(wiring.devices):
+    if len(shape_in) == 3:
+        shape_in, spans = (shape_in[0], shape_in[1], 1, shape_in[2]), (spans[0], spans[1], False, spans[2])
+    rep_in, shard_in, cp_in, tp_in = shape_in
+    if rep_in * shard_in * cp_in * tp_in != len(wiring.devices):
         raise ValueError(f"in-node mesh {shape_in} does not cover the node's {len(wiring.devices)} devices")
     table = wiring.table()
     rings: dict[str, RingStats] = {}
@@ -262,12 +295,21 @@ def node_layout(wiring: NodeWiring, shape_in: tuple[int, int, int], spans: tuple
         order = wiring.devices
     else:
         items: list[tuple[int, ...]] = [(d,) for d in wiring.devices]
-        items, _ = _arrange(items, tp_in, closed=not spans[2], variants=False, table=table)
-        items, _ = _arrange(items, shard_in, closed=not spans[1], variants=tp_in > 1, table=table)
+        items, _ = _arrange(items, tp_in, closed=not spans[3], variants=False, table=table)
+        items, _ = _arrange(items, cp_in, closed=not spans[2], variants=tp_in > 1, table=table)
+        if expert_group > 1:
+            items, _ = _arrange(items, expert_group, closed=True, variants=tp_in * cp_in > 1, table=table)
+            items, _ = _arrange(items, shard_in // expert_group, closed=not spans[1], variants=True, table=table)
+        else:
+            items, _ = _arrange(items, shard_in, closed=not spans[1], variants=tp_in * cp_in > 1, table=table)
         items, _ = _arrange(items, rep_in, closed=not spans[0], variants=False, table=table)
         order = tuple(x for it in items for x in it)
-    for axis, stride, size, span in (("tp", 1, tp_in, spans[2]), ("dp_shard", tp_in, shard_in, spans[1]),
-                                     ("dp_replicate", tp_in * shard_in, rep_in, spans[0])):
+    axes = [("tp", 1, tp_in, spans[3]), ("dp_shard", tp_in * cp_in, shard_in, spans[1]),
+            ("dp_replicate", tp_in * cp_in * shard_in, rep_in, spans[0])]
+    if cp_in > 1 or spans[2]:
+        # FSDP shards over dp_shard x cp: one ring through both.
+        axes += [("cp", tp_in, cp_in, spans[2]), ("dp_shard_cp", tp_in, cp_in * shard_in, spans[1] or spans[2])]
+    for axis, stride, size, span in axes:
         worst, lat = math.inf, 0.0
         block = stride * size
         for base in range(0, len(order), block):
@@ -333,9 +375,12 @@ class ClusterLayout:
         return all(l.uniform for l in self.layouts)
 
 
-def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True) -> ClusterLayout:
+def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True,
+                   routes_experts: bool = False) -> ClusterLayout:
     """Lay the mesh out on the cluster; ValueError when the mesh does not cut into its nodes.
-    `topology_aware` False keeps every node's device order (see `node_layout`)."""
+    `topology_aware` False keeps every node's device order (see `node_layout`).
+    `routes_experts`: the model has experts, so the expert axes are laid out even at ep=1
+    (where the experts' FSDP group is the whole dp_shard x cp x tp block)."""
     g = wirings.devices_per_node
     world = mesh.world_size
     if world != g * len(wirings.node_index):
@@ -344,18 +389,68 @@ def cluster_layout(wirings: Wirings, mesh: Mesh, topology_aware: bool = True) ->
     pp_in, rep_in = shape_in.pp, shape_in.dp_replicate
     spans = tuple(mesh.size(axis) > shape_in.size(axis) for axis in ("pp", "dp_replicate", "dp_shard", "tp"))
     # Stages sharing a node are laid out as outer replicas; their own links are measured below.
-    three = (pp_in * rep_in, shape_in.dp_shard, shape_in.tp)
-    layouts = tuple(node_layout(w, three, (spans[0] or spans[1],) + spans[2:], topology_aware) for w in wirings.unique)
+    if mesh.cp > 1:
+        cp_spans = mesh.cp > shape_in.cp
+        inner: tuple[int, ...] = (pp_in * rep_in, shape_in.dp_shard, shape_in.cp, shape_in.tp)
+        inner_spans: tuple[bool, ...] = (spans[0] or spans[1], spans[2], cp_spans, spans[3])
+    else:
+        inner, inner_spans = (pp_in * rep_in, shape_in.dp_shard, shape_in.tp), (spans[0] or spans[1],) + spans[2:]
+    expert_group = _expert_group(mesh, shape_in) if mesh.ep > 1 else 1
+    layouts = tuple(node_layout(w, inner, inner_spans, topology_aware, expert_group) for w in wirings.unique)
     if pp_in > 1:
         layouts = tuple(_with_pipeline(l, w, shape_in, spans) for l, w in zip(layouts, wirings.unique))
+    per_node = shape_in.to_dict()
+    if mesh.cp > 1:
+        per_node["cp"] = shape_in.cp
+        per_node["dp_shard_cp"] = shape_in.dp_shard * shape_in.cp
+    if mesh.ep > 1 or routes_experts:
+        ep_in, efsdp_in = expert_in_node(mesh, shape_in)
+        per_node["ep"], per_node["efsdp"] = ep_in, efsdp_in
+        layouts = tuple(_with_experts(l, w, ep_in, efsdp_in) for l, w in zip(layouts, wirings.unique))
     rings = {}
-    for axis in AXIS_ORDER:
+    for axis in AXIS_ORDER + tuple(axis for axis in EXTRA_AXES if axis in per_node):
         stats = [l.rings.get(axis, RingStats(math.inf, 0.0)) for l in layouts]
         rings[axis] = RingStats(min(s.gbps for s in stats), max(s.lat_us for s in stats))
-    return ClusterLayout(mesh, shape_in, layouts, wirings.node_index, rings, shape_in.to_dict())
+    return ClusterLayout(mesh, shape_in, layouts, wirings.node_index, rings, per_node)
 
 
 AXIS_ORDER = ("tp", "dp_shard", "dp_replicate", "pp")
+EXTRA_AXES = ("cp", "dp_shard_cp", "ep", "efsdp")
+"""Axes laid out only where the mesh has them: context parallelism (and the FSDP group it
+joins), and the expert mesh's two."""
+
+
+def _expert_group(mesh: Mesh, shape_in: Mesh) -> int:
+    """The shard members inside a node one expert group takes (1 where it fits in tp x cp, or
+    does not cut the node's shard members evenly)."""
+    ep_in, _ = expert_in_node(mesh, shape_in)
+    inner = shape_in.tp * shape_in.cp
+    if ep_in <= inner or ep_in % inner or shape_in.dp_shard % (ep_in // inner):
+        return 1
+    return ep_in // inner
+
+
+def _with_experts(layout: NodeLayout, wiring: NodeWiring, ep_in: int, efsdp_in: int) -> NodeLayout:
+    """The links of the expert axes inside a node: an expert group's all-to-all joins every
+    pair of its `ep_in` consecutive local ranks, so its worst pair bounds it; the experts' FSDP
+    ring takes every `ep_in`-th rank of each block of `ep_in x efsdp_in`."""
+    table, order = wiring.table(), layout.order
+    rings = dict(layout.rings)
+    worst, lat = math.inf, 0.0
+    for base in range(0, len(order), ep_in):
+        members = order[base:base + ep_in]
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                worst, lat = min(worst, table[(a, b)][0]), max(lat, table[(a, b)][1])
+    rings["ep"] = RingStats(worst, lat)
+    worst, lat = math.inf, 0.0
+    block = ep_in * efsdp_in
+    for base in range(0, len(order), block):
+        for off in range(ep_in):
+            bw, l, _ = _ring([order[base + off + i * ep_in] for i in range(efsdp_in)], True, table)
+            worst, lat = min(worst, bw), max(lat, l)
+    rings["efsdp"] = RingStats(worst, lat)
+    return NodeLayout(order=layout.order, rings=rings, uniform=layout.uniform)
 
 
 def _with_pipeline(layout: NodeLayout, wiring: NodeWiring, shape_in: Mesh, spans: tuple[bool, ...]) -> NodeLayout:
@@ -363,10 +458,11 @@ def _with_pipeline(layout: NodeLayout, wiring: NodeWiring, shape_in: Mesh, spans
     are strided by dp_shard x tp inside the stage, consecutive stages by the stage's size, and
     pp is a path (point-to-point sends between neighbours), never a ring."""
     table, order = wiring.table(), layout.order
-    inner = shape_in.dp_replicate * shape_in.dp_shard * shape_in.tp
+    inner = shape_in.dp_replicate * shape_in.dp_shard * shape_in.cp * shape_in.tp
     rings = dict(layout.rings)
     for axis, stride, size, closed, block in (
-            ("dp_replicate", shape_in.dp_shard * shape_in.tp, shape_in.dp_replicate, not spans[1], inner),
+            ("dp_replicate", shape_in.dp_shard * shape_in.cp * shape_in.tp, shape_in.dp_replicate, not spans[1],
+             inner),
             ("pp", inner, shape_in.pp, False, len(order))):
         worst, lat = math.inf, 0.0
         for base in range(0, len(order), block):

@@ -23,8 +23,16 @@ from dataclasses import dataclass
 
 from ..choices import Precision, Strategy
 from ..serialize import to_plain
-from .activations import ActivationBytes, ValueBytes, activation_profile, value_bytes
-from .model_math import ModelShape, root_params, tp_param_split
+from .activations import (
+    ActivationBytes,
+    ValueBytes,
+    activation_profile,
+    context_shard,
+    gathered_kv_bytes,
+    routed_activation_bytes,
+    value_bytes,
+)
+from .model_math import ModelShape, root_params, routed_params, routed_params_per_block, tp_param_split
 from .pipeline import Moment, StageShare, whole_model_moment
 from .resolve import resolve_precision, wrapping_of
 
@@ -210,23 +218,68 @@ def runtime_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout
     return StateBytes(w, g, k, gathered, (root + per_block) * layout.compute, late, g * root / p if p else 0.0)
 
 
+def moe_blocks_of(shape: ModelShape, share: StageShare | None) -> float:
+    """MoE blocks a rank holds: all of them, or its stage's share of the blocks (spread evenly:
+    the dense-first blocks are few)."""
+    experts = shape.spec.experts if shape.spec is not None else None
+    if experts is None:
+        return 0.0
+    return experts.moe_blocks if share is None else experts.moe_blocks * share.blocks / shape.layers
+
+
+def expert_states(strategy: str, shape: ModelShape, tp: int, ep: int, efsdp: int, layout: ByteLayout,
+                  share: StageShare | None = None) -> StateBytes:
+    """Routed-expert bytes one rank keeps, on the expert mesh: each MoE layer's experts split
+    over `ep`, and under FSDP2 (zero2, zero3, hsdp) each expert's states sharded over `efsdp`,
+    what ep leaves of dp_shard x cp x tp; ddp and zero1 keep the rank's experts whole (zero1
+    shards their optimizer state). FSDP2 gathers one MoE layer's `experts / ep` at a time (and
+    the one prefetched) under zero3 and hsdp, every layer's under zero2 and in a pipeline stage,
+    in its param_dtype, and holds one layer's unsharded gradients before reduce-scattering them."""
+    blocks = moe_blocks_of(shape, share)
+    if blocks == 0:
+        return StateBytes(0.0, 0.0, 0.0, 0.0, 0.0)
+    local_layer = routed_params_per_block(shape) / ep
+    local = blocks * local_layer
+    strategy = wrapping_of(strategy, tp)
+    if strategy in ("ddp", "zero1"):
+        w, g, k = model_states(strategy, local, efsdp, layout)
+        return StateBytes(w, g, k, 0.0, 0.0)
+    w, g, k = (local * b / efsdp for b in (layout.weights, layout.grads, layout.optimizer))
+    if efsdp == 1:
+        return StateBytes(w, g, k, 0.0, 0.0)  # nothing sharded: nothing gathered
+    gathered_layers = blocks if strategy == "zero2" or share is not None else min(FSDP_PREFETCH_BLOCKS, blocks)
+    return StateBytes(w, g, k, gathered_layers * local_layer * layout.compute, local_layer * layout.compute)
+
+
+def _with_experts(dense: StateBytes, experts: StateBytes) -> StateBytes:
+    """The dense mesh's states and the expert mesh's on one rank."""
+    return StateBytes(dense.params + experts.params, dense.grads + experts.grads, dense.optimizer + experts.optimizer,
+                      dense.gathered + experts.gathered, dense.unsharded_grads + experts.unsharded_grads,
+                      dense.late_grads, dense.root_grads)
+
+
 def buffer_bytes(
     strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout, bucket_bytes: float, micro_batch: int,
-    on_gpu: bool, share: StageShare | None = None,
+    on_gpu: bool, share: StageShare | None = None, cp: int = 1, experts: StateBytes | None = None,
 ) -> float:
     """Transient buffers: two gradient buckets in flight for DDP-style reduction, or FSDP2's
     gathered weights and unsharded gradients (`runtime_states`); a pipeline stage's receive
     buffers, one per micro-batch and boundary (`StageShare.recv_buffers`); the tensor-parallel
-    gather of one block input; the GPU libraries' workspaces."""
+    gather of one block input; the GPU libraries' workspaces. A context-parallel rank's
+    activations are `seq / cp` tokens; `experts`: the rank's routed-expert states, whose
+    gathered weights and unsharded gradients FSDP2 holds beside the dense ones."""
     if wrapping_of(strategy, tp) in (Strategy.ddp, Strategy.zero1):
         comm = 2 * bucket_bytes
     else:
         states = runtime_states(strategy, shape, tp, shard, layout, share)
         comm = states.gathered + states.unsharded_grads
+    if experts is not None:
+        comm += experts.gathered + experts.unsharded_grads
+    tokens = shape.seq // cp
     if share is not None:
-        comm += share.recv_buffers * micro_batch * shape.seq * shape.hidden * layout.activation
+        comm += share.recv_buffers * micro_batch * tokens * shape.hidden * layout.activation
     if tp > 1:
-        comm += micro_batch * shape.seq * shape.hidden * layout.activation
+        comm += micro_batch * tokens * shape.hidden * layout.activation
     return comm + (GPU_WORKSPACE_BYTES if on_gpu else 0)
 
 
@@ -251,6 +304,7 @@ def rank_memory(
     share: StageShare | None = None,
     held_grad_bytes: int | None = None,
     micro_steps: int = 1,
+    cp: int = 1, ep: int = 1, efsdp: int = 1,
 ) -> MemoryBreakdown:
     """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
     micro-batch's activations, transient buffers.
@@ -267,10 +321,13 @@ def rank_memory(
     moment is the peak. `held_grad_bytes`: FSDP2's unsharded gradients kept between
     micro-steps (`runtime_states`). `micro_steps`: without a pipeline, the accumulation steps:
     past the first, the gradients of the earlier ones are held while the loss's backward runs.
+    `cp`, `ep`, `efsdp`: `seq / cp` tokens' activations; the expert mesh's states (`expert_states`).
     """
-    states = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
+    states, experts = _rank_states(strategy, shape, tp, shard, layout, share, held_grad_bytes, ep, efsdp)
     values = forward_values(strategy, tp, layout, on_gpu)
-    buffers = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share)
+    buffers = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share, cp, experts)
+    extra = _context_and_expert_bytes(shape, micro_batch, cp, tp, ep, recompute, layout, share)
+    tokens = context_shard(shape, cp)
     fsdp = wrapping_of(strategy, tp) not in (Strategy.ddp, Strategy.zero1)
     # zero3 and hsdp reshard every unit after its forward, the root too, and gather none again
     # before its own backward: none is gathered while the loss runs backward (in a pipeline
@@ -281,7 +338,8 @@ def rank_memory(
     moments = share.moments if share is not None and share.moments else (
         whole_model_moment(shape.layers if share is None else share.blocks, micro_steps),)
     for moment in moments:
-        profile = activation_profile(shape, micro_batch, tp, recompute, values, stage=share, moment=moment)
+        profile = _with_context_and_experts(
+            activation_profile(tokens, micro_batch, tp, recompute, values, stage=share, moment=moment), *extra)
         if not fsdp:
             # DDP and ZeRO-1 hold every gradient (their bucket views) and their buckets all step
             # long: one peak, the largest activations beside them all.
@@ -293,6 +351,36 @@ def rank_memory(
         int(round(x)) for x in (states.params, grads, states.optimizer, activations, held_buffers))
     return MemoryBreakdown(params, grads_bytes, optimizer, activation_bytes, held_buffer_bytes,
                            total=params + grads_bytes + optimizer + activation_bytes + held_buffer_bytes)
+
+
+def _rank_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: ByteLayout, share: StageShare | None,
+                 held_grad_bytes: int | None, ep: int, efsdp: int) -> tuple[StateBytes, StateBytes | None]:
+    """(every state the rank keeps, of them the expert mesh's: None for a dense model)."""
+    states = runtime_states(strategy, shape, tp, shard, layout, share, held_grad_bytes)
+    if not routed_params(shape):
+        return states, None
+    experts = expert_states(strategy, shape, tp, ep, efsdp, layout, share)
+    return _with_experts(states, experts), experts
+
+
+def _context_and_expert_bytes(shape: ModelShape, micro_batch: int, cp: int, tp: int, ep: int, recompute: str,
+                              layout: ByteLayout, share: StageShare | None) -> tuple[float, float]:
+    """(kept, transient) activation bytes the gathered K/V and the routed rows' imbalance add."""
+    nblocks = shape.layers if share is None else share.blocks
+    kv_kept, kv_transient = gathered_kv_bytes(shape, micro_batch, cp, recompute, layout.activation, nblocks)
+    routed_kept, routed_transient = routed_activation_bytes(shape, micro_batch, cp, tp, ep, recompute,
+                                                            layout.activation, moe_blocks_of(shape, share))
+    return kv_kept + routed_kept, kv_transient + routed_transient
+
+
+def _with_context_and_experts(profile: ActivationBytes, kept: float, transient: float) -> ActivationBytes:
+    """`profile` with what context and expert parallelism add: `kept` through the backward,
+    `transient` on top of it at each moment of it."""
+    if not (kept or transient):
+        return profile
+    return ActivationBytes(kept=profile.kept + kept, transient=profile.transient + transient,
+                           in_blocks=profile.in_blocks + kept + transient,
+                           blocks_done=profile.blocks_done + transient, after_backward=profile.after_backward)
 
 
 def _fsdp_phases(states: StateBytes, moment: Moment, profile: ActivationBytes, buffers: float,

@@ -60,10 +60,24 @@ class ModelShape:
         return self.spec is None or self.spec.tp_plan
 
 
+def routed_params_per_block(shape: ModelShape) -> int:
+    """Routed expert parameters of one MoE block (0 for a dense model): what the expert mesh
+    holds, apart from the dense mesh's parameters."""
+    experts = shape.spec.experts if shape.spec is not None else None
+    return experts.routed_params_per_block(shape.hidden) if experts else 0
+
+
+def routed_params(shape: ModelShape) -> int:
+    """Routed expert parameters of the whole model (0 for a dense model)."""
+    experts = shape.spec.experts if shape.spec is not None else None
+    return experts.moe_blocks * routed_params_per_block(shape) if experts else 0
+
+
 def block_params(shape: ModelShape) -> int:
-    """Parameters of one transformer block: q, k, v, o (4h^2), MLP (8h^2), two LayerNorms."""
+    """Parameters of one transformer block on the dense mesh: q, k, v, o (4h^2), MLP (8h^2),
+    two LayerNorms; a measured model's block less its routed experts (the expert mesh's)."""
     if shape.spec is not None:
-        return shape.spec.block_params
+        return shape.spec.block_params - routed_params_per_block(shape)
     h = shape.hidden
     weights = 12 * h * h
     if not shape.bias:
@@ -101,7 +115,8 @@ def root_params(shape: ModelShape) -> int:
 
 
 def tp_param_split(shape: ModelShape) -> tuple[int, int]:
-    """(parameters sharded by tensor parallelism, parameters every TP rank replicates).
+    """(parameters sharded by tensor parallelism, parameters every TP rank replicates), of
+    the dense mesh's parameters (a Mixture of Experts' routed experts are neither).
 
     As the runtime's plan (`runtime.tensor_parallel`) splits them: the four attention and two
     MLP matrices and the column-parallel biases (q, k, v, c_fc) are sharded; LayerNorms, the
@@ -110,7 +125,11 @@ def tp_param_split(shape: ModelShape) -> tuple[int, int]:
     the tied weight whole so that wte and lm_head stay one parameter.
     """
     if shape.spec is not None:
-        return shape.spec.tp_sharded_params, shape.spec.params - shape.spec.tp_sharded_params
+        # Routed experts sit on the expert mesh (`routed_params`), outside both: tensor
+        # parallelism does not split them (ep borrows the tp ranks instead, as torchtitan runs it).
+        dense = shape.spec.params - routed_params(shape)
+        sharded = min(shape.spec.tp_sharded_params, dense)
+        return sharded, dense - sharded
     h, l = shape.hidden, shape.layers
     sharded = l * 12 * h * h
     if shape.bias:

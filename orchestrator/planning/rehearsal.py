@@ -33,10 +33,11 @@ def predicted_peak_bytes(ctx: JobContext, plan: Plan, rank: int) -> int:
     bucket = plan.sync.bucket_mb * MB if ex.ddp_reduces else 0.0
     held = held_grad_bytes(ex, ctx.layout, plan.sync.grad_accum_steps)
     stage = stage_of(plan, rank)
-    extra = {"share": stage_share(ctx.shape, pl, stage)} if pl else {}
-    m = rank_memory(wrapping, ctx.shape, plan.mesh.tp, ex.shard_group, plan.micro_batch_size, plan.recompute,
-                    ctx.layout, bucket, ctx.on_gpu, held_grad_bytes=held,
-                    micro_steps=pl.microbatches if pl else plan.sync.grad_accum_steps, **extra)
+    mesh = plan.mesh
+    m = rank_memory(wrapping, ctx.shape, mesh.tp, ex.shard_group, plan.micro_batch_size, plan.recompute,
+                    ctx.layout, bucket, ctx.on_gpu, share=stage_share(ctx.shape, pl, stage) if pl else None,
+                    held_grad_bytes=held, micro_steps=pl.microbatches if pl else plan.sync.grad_accum_steps,
+                    cp=mesh.cp, ep=mesh.ep, efsdp=mesh.efsdp)
     return m.total - (GPU_WORKSPACE_BYTES if ctx.on_gpu else 0)
 
 

@@ -211,10 +211,11 @@ def _wrapping(strategy: Strategy, mesh: Mesh, pipeline: Pipeline | None, notes: 
 
 
 def _shard_group(strategy: Strategy, mesh: Mesh) -> int:
-    """Ranks the model states are sharded over."""
+    """Ranks the model states are sharded over (context-parallel ranks join the shard group,
+    as FSDP shards over dp_shard x cp)."""
     if strategy == Strategy.ddp:
         return 1
-    return mesh.dp_shard if strategy == Strategy.hsdp else mesh.dp
+    return (mesh.dp_shard if strategy == Strategy.hsdp else mesh.dp) * mesh.cp
 
 
 def _check_loss_scaling(loss_scaling: bool, strategy: Strategy, mesh: Mesh) -> None:

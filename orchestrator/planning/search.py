@@ -50,6 +50,8 @@ class Constraints:
     pp_schedule: PipelineSchedule | None = None
     pp_microbatches: int | None = None
     accum_sync: AccumSync | None = None
+    cp: int | None = None
+    ep: int | None = None
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> "Constraints":
@@ -72,6 +74,8 @@ class Constraints:
             pp_schedule=fixed(p.pp_schedule),
             pp_microbatches=fixed(p.pp_microbatches),
             accum_sync=fixed(p.accum_sync),
+            cp=fixed(p.cp),
+            ep=fixed(p.ep),
         )
 
     def forced(self) -> list[str]:
@@ -81,7 +85,7 @@ class Constraints:
                 ("parallel.compression", self.compression),
                 ("parallel.sync", None if self.algorithm == "auto" else self.algorithm), ("parallel.pp", self.pp),
                 ("parallel.pp_schedule", self.pp_schedule), ("parallel.pp_microbatches", self.pp_microbatches),
-                ("parallel.accum_sync", self.accum_sync))
+                ("parallel.accum_sync", self.accum_sync), ("parallel.cp", self.cp), ("parallel.ep", self.ep))
         return [f"{k}={v}" for k, v in keys if v is not None]
 
 
@@ -107,6 +111,8 @@ class SearchResult:
     rejected: list[Rejected] = field(default_factory=list)
     evaluated: int = 0
     """Candidates whose memory and time were estimated."""
+    notes: list[str] = field(default_factory=list)
+    """Why the plan has the context and expert parallelism it has, in words (one line each)."""
 
 
 _SIMPLICITY = {s: i for i, s in enumerate(STRATEGIES)}
@@ -142,52 +148,111 @@ def pipeline_degrees(world: int, g: int, layers: int, cons: Constraints, splitta
                   and world // p >= g and world > g]
 
 
+CP_FROM_TOKENS = 8192
+"""`parallel.cp=auto` searches context parallelism from this sequence length (Megatron-Core's
+guide uses it from 8K tokens); below it a sequence's activations are small beside the model's."""
+
+
+def context_degrees(world: int, tp: int, seq: int, cons: Constraints, g: int = 1,
+                    across_islands: bool = False) -> list[int]:
+    """Context-parallel degrees worth searching over a stage of `world` ranks at `tp`: the forced
+    one; else 1 and, from `CP_FROM_TOKENS`, every divisor of the ranks tp leaves that keeps a
+    cp group inside one NVLink island of `g` devices, or any (`across_islands`, searched only
+    where none of those fits). The pruning rules say which the sequence cannot split into."""
+    if cons.cp:
+        return [cons.cp]
+    if seq < CP_FROM_TOKENS or world % tp:
+        return [1]
+    return [cp for cp in divisors(world // tp) if across_islands or cp * tp <= g]
+
+
+def expert_degrees(mesh: Mesh, experts: int, cons: Constraints, g: int = 1, across_islands: bool = False) -> list[int]:
+    """Expert-parallel degrees of a mesh: 1 for a dense model (`experts` 0); the forced one;
+    else every divisor of the dp_shard x cp x tp ranks ep borrows that keeps an expert group
+    inside one NVLink island of `g` devices, or any (`across_islands`, searched only where none
+    of those fits). ep=1 is the FSDP-only experts alternative."""
+    if not experts:
+        return [1]
+    if cons.ep:
+        return [cons.ep]
+    return [ep for ep in divisors(mesh.borrowable) if across_islands or ep <= g]
+
+
 def meshes_of(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints,
-            layers: int = 1, splittable: bool = True) -> list[tuple[Mesh, str]]:
-    """(mesh, why it cannot be used or '') for every mesh of a strategy."""
+            layers: int = 1, splittable: bool = True, seq: int = 1, experts: int = 0,
+            across_islands: bool = False) -> list[tuple[Mesh, str]]:
+    """(mesh, why it cannot be used or '') for every mesh of a strategy: the dense factorisation
+    pp x dp_replicate x dp_shard x cp x tp, and for a model with `experts` routed experts the
+    second one, ep over dp_shard x cp x tp."""
     out = []
     for pp in pipeline_degrees(world, g, layers, cons, splittable):
         if world % pp:
             out.append((Mesh(world, 1, 1, pp=pp), f"parallel.pp={pp} does not divide the {world} ranks"))
             continue
-        out += [(Mesh(m.dp_replicate, m.dp_shard, m.tp, pp=pp), bad)
-                for m, bad in _stage_meshes(strategy, world // pp, g, n_head, cons)]
+        for m, bad in _stage_meshes(strategy, world // pp, g, n_head, cons, seq, experts > 0, across_islands):
+            mesh = Mesh(m.dp_replicate, m.dp_shard, m.tp, pp=pp, cp=m.cp)
+            for ep in expert_degrees(mesh, experts, cons, g, across_islands):
+                if mesh.borrowable % ep:
+                    out.append((mesh, bad or f"parallel.ep={ep} does not divide the {mesh.borrowable} ranks of "
+                                             f"dp_shard x cp x tp it borrows"))
+                else:
+                    out.append((replace(mesh, ep=ep), bad))
     return out
 
 
-def _stage_meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints) -> list[tuple[Mesh, str]]:
-    """(mesh, why it cannot be used or '') of the data- and tensor-parallel axes over `world` ranks."""
+def _stage_meshes(strategy: Strategy, world: int, g: int, n_head: int, cons: Constraints, seq: int = 1,
+                  experts: bool = False, across_islands: bool = False) -> list[tuple[Mesh, str]]:
+    """(mesh, why it cannot be used or '') of the data-, context- and tensor-parallel axes over
+    `world` ranks."""
     tps = [cons.tp] if cons.tp else [t for t in divisors(g) if n_head % t == 0]
     out = []
     for tp in tps:
-        if world % tp:
-            out.append((Mesh(world, 1, tp), f"tp={tp} does not divide the {world} ranks"))
-            continue
-        d = world // tp
-        if strategy == Strategy.ddp:
-            mesh = Mesh(d, 1, tp)
-            bad = f"strategy ddp does not shard (dp_shard=1), got parallel.dp_shard={cons.dp_shard}" \
-                if cons.dp_shard not in (None, 1) else ""
-            out.append((mesh, bad))
-        elif strategy in (Strategy.zero1, Strategy.zero2, Strategy.zero3):
-            if d == 1 and cons.strategy is None:
-                continue  # one data-parallel rank: the same plan as ddp
-            if strategy == Strategy.zero1 and wrapping_of(strategy, tp) != strategy and cons.strategy is None:
-                continue  # it runs as zero2 (see resolve): offer zero2 by its name
-            mesh = Mesh(1, d, tp)
-            bad = (f"strategy {strategy} shards over all {d} data-parallel ranks, "
-                   f"got parallel.dp_shard={cons.dp_shard}; use parallel.strategy=hsdp to shard over fewer"
-                   ) if cons.dp_shard not in (None, d) else ""
-            out.append((mesh, bad))
-        else:
-            shards = [cons.dp_shard] if cons.dp_shard else [s for s in divisors(d) if 1 < s < d]
-            if not shards and cons.strategy == Strategy.hsdp:
-                out.append((Mesh(d, 1, tp), f"hsdp needs a shard group between 1 and the {d} data-parallel ranks"))
-            for s in shards:
-                if d % s:
-                    out.append((Mesh(d, 1, tp), f"parallel.dp_shard={s} does not divide the {d} data-parallel ranks"))
-                else:
-                    out.append((Mesh(d // s, s, tp), ""))
+        for cp in context_degrees(world, tp, seq, cons, g, across_islands):
+            out += _data_meshes(strategy, world, tp, cp, cons, experts)
+    return out
+
+
+def _data_meshes(strategy: Strategy, world: int, tp: int, cp: int, cons: Constraints,
+                 experts: bool) -> list[tuple[Mesh, str]]:
+    """(mesh, why it cannot be used or '') of the data-parallel axes at one tp and cp."""
+    out: list[tuple[Mesh, str]] = []
+    if world % (tp * cp):
+        what = f"tp={tp}" if cp == 1 else f"tp x cp = {tp} x {cp}"
+        return [(Mesh(world, 1, tp), f"{what} does not divide the {world} ranks")]
+    if (cp > 1 or experts) and strategy in (Strategy.ddp, Strategy.zero1):
+        if cons.strategy is None:
+            return []  # zero2, zero3 and hsdp stand for them
+        what = f"parallel.cp={cp}" if cp > 1 else "a Mixture of Experts"
+        return [(Mesh(world // (tp * cp), 1, tp, cp=cp),
+                 f"{what} runs with FSDP2 (zero2, zero3 or hsdp), which shards over dp_shard x cp and the "
+                 f"experts over efsdp; {strategy} does not")]
+    d = world // (tp * cp)
+    if strategy == Strategy.ddp:
+        mesh = Mesh(d, 1, tp, cp=cp)
+        bad = f"strategy ddp does not shard (dp_shard=1), got parallel.dp_shard={cons.dp_shard}" \
+            if cons.dp_shard not in (None, 1) else ""
+        out.append((mesh, bad))
+    elif strategy in (Strategy.zero1, Strategy.zero2, Strategy.zero3):
+        if d == 1 and cons.strategy is None and cp == 1 and not experts:
+            return out  # one data-parallel rank: the same plan as ddp
+        if strategy == Strategy.zero1 and wrapping_of(strategy, tp) != strategy and cons.strategy is None:
+            return out  # it runs as zero2 (see resolve): offer zero2 by its name
+        mesh = Mesh(1, d, tp, cp=cp)
+        bad = (f"strategy {strategy} shards over all {d} data-parallel ranks, "
+               f"got parallel.dp_shard={cons.dp_shard}; use parallel.strategy=hsdp to shard over fewer"
+               ) if cons.dp_shard not in (None, d) else ""
+        out.append((mesh, bad))
+    else:
+        shards = [cons.dp_shard] if cons.dp_shard else [s for s in divisors(d) if 1 < s < d]
+        if not shards and cons.strategy == Strategy.hsdp:
+            out.append((Mesh(d, 1, tp, cp=cp),
+                        f"hsdp needs a shard group between 1 and the {d} data-parallel ranks"))
+        for s in shards:
+            if d % s:
+                out.append((Mesh(d, 1, tp, cp=cp),
+                            f"parallel.dp_shard={s} does not divide the {d} data-parallel ranks"))
+            else:
+                out.append((Mesh(d // s, s, tp, cp=cp), ""))
     return out
 
 
@@ -246,15 +311,24 @@ class SearchSpace:
     evaluated: int = 0
     """Candidates whose memory and time were estimated so far (a mesh that turns out not to
     run at all counts those it priced before)."""
+    across_islands: bool = False
+    """Whether `parallel.cp=auto` and `parallel.ep=auto` may put a group across NVLink islands
+    (searched only where no plan with the groups inside one fits)."""
 
     @property
     def devices_per_node(self) -> int:
         return self.wirings.devices_per_node
 
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE layer of the model (0 for a dense one)."""
+        spec = self.ctx.shape.spec
+        return spec.experts.experts if spec is not None and spec.experts is not None else 0
+
     def layout(self, mesh: Mesh) -> ClusterLayout:
         """`mesh` laid out on the cluster; ValueError where it cannot be."""
         if mesh not in self.layouts:
-            self.layouts[mesh] = cluster_layout(self.wirings, mesh)
+            self.layouts[mesh] = cluster_layout(self.wirings, mesh, routes_experts=self.experts > 0)
         return self.layouts[mesh]
 
     def per_rank(self, mesh: Mesh) -> int:
@@ -271,7 +345,8 @@ def mesh_candidates(space: SearchSpace, n_head: int) -> list[MeshCandidate]:
     splittable = ctx.shape.spec is None or ctx.shape.spec.pipeline_ends
     candidates = [MeshCandidate(strategy, mesh, unusable) for strategy in strategies
                   for mesh, unusable in meshes_of(strategy, world, space.devices_per_node, n_head, constraints,
-                                                  ctx.shape.layers, splittable)]
+                                                  ctx.shape.layers, splittable, ctx.shape.seq, space.experts,
+                                                  space.across_islands)]
     return sorted(candidates, key=lambda candidate: candidate.mesh.pp)
 
 
@@ -294,7 +369,7 @@ def pipeline_adds_nothing(space: SearchSpace, candidate: MeshCandidate, fastest_
 def pipeline_shards_across_nodes(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
     mesh = candidate.mesh
     if mesh.pp > 1 and candidate.strategy == Strategy.hsdp and space.constraints.dp_shard is None \
-            and mesh.dp_shard != space.devices_per_node // mesh.tp:
+            and mesh.dp_shard * mesh.cp != space.devices_per_node // mesh.tp:
         return "a pipeline's HSDP shards inside a node; larger groups are zero2's territory"
     return None
 
@@ -305,6 +380,20 @@ def pipeline_cannot_win(space: SearchSpace, candidate: MeshCandidate, fastest_s:
             compute_floor(ctx, mesh, micro_batch) for micro_batch in divisors(space.per_rank(mesh))) \
             > fastest_s * (1 + NEAR_TIE):
         return "its matmuls and bubble alone, at their best, take longer than a plan already found"
+    return None
+
+
+def sequence_does_not_split(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    cp, seq = candidate.mesh.cp, space.ctx.shape.seq
+    if cp > 1 and seq % (2 * cp):
+        return f"sequence not divisible by 2 x cp: {seq} tokens do not cut into {2 * cp} head-tail chunks"
+    return None
+
+
+def experts_do_not_divide(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
+    ep, experts = candidate.mesh.ep, space.experts
+    if experts and experts % ep:
+        return f"ep does not divide the experts: ep={ep}, {experts} routed experts per MoE layer"
     return None
 
 
@@ -341,7 +430,8 @@ def pp_microbatches_do_not_divide(space: SearchSpace, candidate: MeshCandidate, 
     return None
 
 
-PRUNING_RULES = ((mesh_unusable, True), (pipeline_adds_nothing, False), (pipeline_shards_across_nodes, False),
+PRUNING_RULES = ((mesh_unusable, True), (sequence_does_not_split, True), (experts_do_not_divide, True),
+                 (pipeline_adds_nothing, False), (pipeline_shards_across_nodes, False),
                  (pipeline_cannot_win, False), (batch_does_not_divide, True), (cannot_lay_out, True),
                  (micro_batch_does_not_divide, True), (pp_microbatches_do_not_divide, True))
 """(rule, whether its reason is reported), in the order they are asked."""
@@ -432,8 +522,31 @@ def with_compression(space: SearchSpace, candidate: MeshCandidate, best: Estimat
 
 
 def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) -> SearchResult:
-    """Best plan under the constraints (best=None when no candidate could be estimated)."""
-    space = SearchSpace(ctx, cons, wirings)
+    """Best plan under the constraints (best=None when no candidate could be estimated).
+    Context- and expert-parallel groups go inside an NVLink island first: groups across
+    islands are searched only where no plan keeps them inside one and fits."""
+    result = _search(SearchSpace(ctx, cons, wirings), n_head)
+    spec = ctx.shape.spec
+    searched_cp = cons.cp is None and ctx.shape.seq >= CP_FROM_TOKENS
+    searched_ep = cons.ep is None and spec is not None and spec.experts is not None
+    if result.fits or not (searched_cp or searched_ep):
+        return result
+    wider = _search(SearchSpace(ctx, cons, wirings, across_islands=True), n_head)
+    g = wirings.devices_per_node
+    if not wider.fits or wider.best is None:
+        return result
+    mesh = wider.best.choice.mesh
+    axes = [axis for axis, size in (("cp", mesh.cp * mesh.tp), ("ep", mesh.ep)) if size > g]
+    if not axes:
+        return result
+    frugal = f" (the most frugal needs {result.best.memory.total / 1e9:.2f} GB per rank)" if result.best else ""
+    wider.notes.insert(0, f"{' and '.join(axes)} across NVLink islands: no plan with its groups inside one island of "
+                          f"{g} devices fits{frugal}")
+    return wider
+
+
+def _search(space: SearchSpace, n_head: int) -> SearchResult:
+    """The search over one space of candidates."""
     per_mesh: list[MeshBest] = []
     rejected: list[Rejected] = []
     fastest_s = math.inf
@@ -451,7 +564,47 @@ def search(ctx: JobContext, wirings: Wirings, cons: Constraints, n_head: int) ->
         if best is not None:
             per_mesh.append(best)
             fastest_s = min(fastest_s, best.fastest_fitting_s)
-    return _result(per_mesh, rejected, space.evaluated)
+    result = _result(per_mesh, rejected, space.evaluated)
+    result.notes += axis_notes(space, per_mesh, result)
+    return result
+
+
+def axis_notes(space: SearchSpace, per_mesh: list[MeshBest], result: SearchResult) -> list[str]:
+    """Why the chosen plan has its context and expert parallelism: whether the sequence does not
+    fit without cp or cp is faster, and whether expert parallelism or the FSDP-only experts
+    (ep=1) are faster; against the best plan of the other kind (none where the search had none)."""
+    best = result.best
+    if best is None or not result.fits:
+        return []
+    notes = []
+    mesh = best.choice.mesh
+    if space.ctx.shape.seq >= CP_FROM_TOKENS and space.constraints.cp is None:
+        other = [b for b in per_mesh if (b.estimate.choice.mesh.cp > 1) != (mesh.cp > 1)]
+        notes.append(_versus("context parallelism", f"cp={mesh.cp}" if mesh.cp > 1 else "none (cp=1)",
+                             "cp=1" if mesh.cp > 1 else "cp>1", best, other, mesh.cp > 1))
+    if space.experts and space.constraints.ep is None:
+        other = [b for b in per_mesh if (b.estimate.choice.mesh.ep > 1) != (mesh.ep > 1)]
+        notes.append(_versus("experts", f"ep={mesh.ep}" if mesh.ep > 1 else "FSDP-only (ep=1)",
+                             "FSDP-only experts (ep=1)" if mesh.ep > 1 else "ep>1", best, other, mesh.ep > 1))
+    return notes
+
+
+def _versus(what: str, chosen: str, other_kind: str, best: Estimate, others: list[MeshBest],
+            chosen_has_it: bool) -> str:
+    """One line: `chosen` against the best plan of `other_kind`: it is faster by so much, or
+    nothing fits without it (`chosen_has_it`), or no plan with it fits."""
+    fitting = [b for b in others if b.fits]
+    if fitting:
+        rival = min(fitting, key=lambda b: b.estimate.total_s).estimate
+        pct = (rival.total_s / best.total_s - 1) * 100 if best.total_s > 0 else 0.0
+        return (f"{what}: {chosen}, faster: the best {other_kind} plan ({rival.choice.strategy} on "
+                f"{rival.choice.mesh}) is slower by {pct:.1f}%")
+    if others:
+        frugal = min(others, key=lambda b: b.estimate.memory.total).estimate
+        why = "because nothing fits without it" if chosen_has_it else f"as no {other_kind} plan fits"
+        return (f"{what}: {chosen}, {why}: the most frugal {other_kind} plan needs "
+                f"{frugal.memory.total / 1e9:.2f} GB per rank")
+    return f"{what}: {chosen}; no {other_kind} plan was priced"
 
 
 def _result(per_mesh: list[MeshBest], rejected: list[Rejected], evaluated: int) -> SearchResult:

@@ -7,7 +7,9 @@ has found a gap in the planner, not in this module.
 
 Bytes follow one convention: the largest buffer of each call as the rank hands it to torch
 (all_gather: the output; reduce_scatter: the input; all_reduce, broadcast, send, recv: the
-tensor). Axes are the mesh's names; `dp` is the flattened dp_replicate x dp_shard group.
+tensor; all_to_all: the rows the rank sends, at balance). Axes are the mesh's names; `dp` is
+the flattened dp_replicate x dp_shard group, `dp_shard_cp` the FSDP group context parallelism
+joins, `ep` and `efsdp` the expert mesh's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import dataclass
 
 from ..choices import Strategy
 from ..serialize import to_plain
+from .activations import kv_heads_and_width, routed_rows
 from .cost import JobContext, ties_head, tp_all_reduces_per_micro_batch
-from .memory import params_per_tp_rank
-from .model_math import root_params
+from .memory import moe_blocks_of, params_per_tp_rank
+from .model_math import root_params, routed_params_per_block
 from .pipeline import stage_share
 from .plan import Plan
 from .sync import MB, wire_bytes_per_grad
@@ -84,7 +87,36 @@ def predicted_traffic(ctx: JobContext, plan: Plan, rank: int = 0) -> tuple[Traff
     tally = _Tally()
     _model_parallel_traffic(tally, ctx, plan, stage, blocks)
     _gradient_traffic(tally, ctx, plan, params_per_rank, blocks)
+    _context_and_expert_traffic(tally, ctx, plan, blocks, moe_blocks_of(shape, share))
     return tally.traffic()
+
+
+def _context_and_expert_traffic(tally: _Tally, ctx: JobContext, plan: Plan, blocks: int, moe_blocks: float) -> None:
+    """The K/V all-gathers and their gradients' reduce-scatters of context parallelism (one of
+    each per attention layer and micro-batch, the gather again where attention is recomputed),
+    the expert all-to-alls (dispatch and combine, forward, backward and again under full
+    recomputation) and the experts' own FSDP2 gathers and reduce-scatters over efsdp."""
+    shape, mesh, accum = ctx.shape, plan.mesh, plan.sync.grad_accum_steps
+    if mesh.cp > 1:
+        kv, width = kv_heads_and_width(shape)
+        gathered = 2 * plan.micro_batch_size * shape.seq * kv * width * ctx.layout.activation
+        gathers = accum * blocks * (1 if str(plan.recompute) == "none" else 2)
+        tally.add("all_gather", "cp", gathers, gathers * gathered)
+        tally.add("reduce_scatter", "cp", accum * blocks, accum * blocks * gathered)
+    if not moe_blocks:
+        return
+    if mesh.ep > 1:
+        sent = routed_rows(shape, plan.micro_batch_size, mesh.cp, mesh.tp) * shape.hidden * ctx.layout.activation
+        calls = accum * moe_blocks * (6 if str(plan.recompute) == "full" else 4)
+        tally.add("all_to_all", "ep", calls, calls * sent)
+    runs = plan.execution
+    if mesh.efsdp > 1 and not runs.ddp_reduces:
+        local = routed_params_per_block(shape) / mesh.ep
+        expert_gathers = moe_blocks * (2 * accum if runs.reshard_after_forward else 1)
+        expert_syncs = moe_blocks * (accum if runs.reduce_every_micro_step else 1)
+        grad_wire = wire_bytes_per_grad(runs.compression, ctx.layout.grads, ctx.powersgd_ratio, 0.0)
+        tally.add("all_gather", "efsdp", expert_gathers, expert_gathers * local * ctx.layout.compute)
+        tally.add("reduce_scatter", "efsdp", expert_syncs, expert_syncs * local * grad_wire)
 
 
 def _model_parallel_traffic(tally: _Tally, ctx: JobContext, plan: Plan, stage: int, blocks: int) -> None:
@@ -131,6 +163,8 @@ def _gradient_traffic(tally: _Tally, ctx: JobContext, plan: Plan, params_per_ran
                 tally.add("broadcast", axis, mesh.dp, params_per_rank * layout.weights)
         return
     axis = "dp_shard" if runs.fsdp_replicates else dp_axis(plan)
+    if mesh.cp > 1:
+        axis = "dp_shard_cp"  # FSDP shards over dp_shard x cp (torchtitan's flattened name)
     units = blocks + 1  # FSDP2 unit per block, and the root's own parameters
     if runs.shard_group > 1:
         gather = params_per_rank * layout.compute
