@@ -104,13 +104,7 @@ def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluster
     if priced.sync.grad_accum_steps > 1:
         lines.append(accum_line(priced, ctx, cluster_layout, cons))
     if res.fits:
-        fitting = [r for r in res.runners_up if r.fits(ctx.usable_bytes)]
-        why = f"fastest of {len(fitting) + 1} fitting (strategy, mesh) choices, {res.evaluated} candidates estimated"
-        if fitting:
-            r = fitting[0]
-            why += f"; runner-up {r.choice.strategy} on {r.choice.mesh}: " \
-                   f"{compare((r.total_s / priced.total_s - 1) * 100)}"
-        lines.append(why)
+        lines.append(_search_line(res, priced, ctx))
     elif suggestion:
         lines.append(suggestion)
     if not ctx.shape.tp_capable:
@@ -125,6 +119,16 @@ def explain(res: SearchResult, ctx: JobContext, cons: Constraints, topo: Cluster
                      "DDP comm hooks, which a pipeline's FSDP2 stages do not run (parallel.pp=2 forces one)")
     lines += [f"runs as: {note}" for note in priced.execution.notes]
     return lines
+
+
+def _search_line(res: SearchResult, priced: Estimate, ctx: JobContext) -> str:
+    """How many choices fitted and the runner-up's distance."""
+    fitting = [r for r in res.runners_up if r.fits(ctx.usable_bytes)]
+    why = f"fastest of {len(fitting) + 1} fitting (strategy, mesh) choices, {res.evaluated} candidates estimated"
+    if fitting:
+        r = fitting[0]
+        why += f"; runner-up {r.choice.strategy} on {r.choice.mesh}: {compare((r.total_s / priced.total_s - 1) * 100)}"
+    return why
 
 
 LINK_AXES = ("tp", "cp", "ep", "dp_shard", "efsdp", "dp_replicate", "pp")
