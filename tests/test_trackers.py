@@ -105,6 +105,10 @@ def test_each_step_is_logged_once_across_a_rewind_and_a_restarted_driver(tmp_pat
     assert params[0]["train.max_steps"] == "300" and params[-1]["plan.strategy"] == "ddp"
     assert params[-1]["plan.mesh.dp_replicate"] == "2" and params[-1]["plan.predicted.step_s"] == "0.2"
     assert json.loads((tmp_path / STATE).read_text())["runs"] == {"tensorboard": "tensorboard-id"}
+    (tmp_path / STATE).write_text("{torn")
+    Trackers(cfg, run, notes.append, make=lambda name, c, r: _Fake(name, calls)).close()
+    assert notes == [f"monitor.trackers: {tmp_path / STATE} is unreadable; the trackers start new runs"]
+    assert [c for c in calls if c[0] == "start"][-1] == ("start", None)
 
 
 def test_a_failing_tracker_is_one_note_the_others_go_on_and_the_loop_never_waits(tmp_path):
