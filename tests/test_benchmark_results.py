@@ -41,6 +41,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "rehearsal": ("cases", "max_memory_error", "max_bytes_error", "goal"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),
     "cost_model_shaped": ("shapings", "mean_error", "goal"),
+    "export_hf": ("params", "model_bytes", "files", "export_s", "peak_rss_bytes_per_rank"),
     "gpu_check": ("parts", "device", "seconds"),
     "large_model_cpu": ("params", "ranks", "loss", "plan_memory_per_rank"),
     "memory_model": ("world", "models", "max_error", "goal"),

@@ -179,6 +179,11 @@ def test_a_checkpoint_of_another_model_or_a_model_without_a_layout_is_one_line(t
     with pytest.raises(CheckpointError, match=r"does not hold LlamaConfig of the run's config.yaml: it lacks "
                                               r"tok_embeddings.weight \(\d+ missing, 0 with another shape\)"):
         export_run(run, tmp_path / "hf")
+    from orchestrator.workloads.llama import build
+
+    llama = _run(tmp_path / "llama", [], build("tiny", **TINY_LLAMA))  # trained as the default GPT, by its config
+    with pytest.raises(CheckpointError, match=r"does not hold the GPT of the run's config.yaml: it lacks wte.weight"):
+        export_run(llama, tmp_path / "hf")
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["model"]["factory"] = "tests.test_export:no_such_layout"
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))

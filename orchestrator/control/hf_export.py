@@ -120,13 +120,16 @@ def layout(model_config: ModelConfig, block_size: int, eos_id: int | None = None
     from transformers import LlamaConfig
 
     cfg = model.cfg
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.dim // cfg.n_heads, rms_norm_eps=cfg.norm_eps, max_position_embeddings=block_size,
-        hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        eos_token_id=eos_id, architectures=["LlamaForCausalLM"], dtype=torch.float32)
+    fields: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.dim // cfg.n_heads, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": block_size,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        # transformers 4 reads rope_theta; 5 files it under rope_parameters itself.
+        "rope_theta": cfg.rope_theta,
+        "eos_token_id": eos_id, "architectures": ["LlamaForCausalLM"], "dtype": torch.float32,
+    }
+    config = LlamaConfig(**fields)
     return HFLayout(config, tensors_of(model, llama_hf_name))
 
 

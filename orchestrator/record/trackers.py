@@ -213,7 +213,7 @@ class Trackers:
         """`note`: how a tracker that fails is reported (once per tracker)."""
         self._run = run
         self._note = note
-        saved = json.loads((run.path / STATE).read_text()) if (run.path / STATE).is_file() else {}
+        saved = self._saved()
         self._ids: dict[str, str] = dict(saved.get("runs", {}))
         self._logged = int(saved.get("last_step", -1))
         """The last step handed to the trackers (-1: none); the background thread persists it."""
@@ -306,6 +306,20 @@ class Trackers:
                 first = (str(e).splitlines() or [type(e).__name__])[0]
                 self._note(f"monitor.trackers: {tracker.name} failed ({type(e).__name__}: {first[:300]}); "
                            f"the run goes on without it")
+
+    def _saved(self) -> dict[str, Any]:
+        """What trackers.json holds; nothing (fresh tracker runs, with a note) when it is unreadable."""
+        path = self._run.path / STATE
+        if not path.is_file():
+            return {}
+        try:
+            saved = json.loads(path.read_text())
+            if isinstance(saved, dict):
+                return saved
+        except (OSError, ValueError):
+            pass
+        self._note(f"monitor.trackers: {path} is unreadable; the trackers start new runs")
+        return {}
 
     def _save(self, last: int, last_val: int) -> None:
         state = {"runs": self._ids, "last_step": last, "last_val_step": last_val}
