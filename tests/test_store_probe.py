@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import boto3
 import pytest
 import ray
 from s3_server import ACCESS_KEY, SECRET_KEY, s3_server
@@ -34,6 +33,8 @@ def _submit(tmp_path: Path, capsys, checkpoint_path: str, *overrides: str) -> tu
 
 
 def test_a_bad_bucket_credentials_or_endpoint_is_one_line_before_anything_starts(s3, tmp_path, capsys, monkeypatch):
+    import boto3
+
     # the store as configured is writable, and the probe leaves nothing behind
     check_writable("checkpoint.path", s3.url("run"))
     listed = boto3.client("s3").list_objects_v2(Bucket=s3.bucket)
