@@ -40,6 +40,11 @@ def test_a_bad_bucket_credentials_or_endpoint_is_one_line_before_anything_starts
     listed = boto3.client("s3").list_objects_v2(Bucket=s3.bucket)
     assert not [o["Key"] for o in listed.get("Contents", []) if PROBE_PREFIX in o["Key"]]
 
+    # --resume from a prefix that holds no checkpoint: one line naming where it looked
+    code, said = _submit(tmp_path, capsys, s3.url("run"), "--resume", s3.url("empty"))
+    assert code == 2 and said.strip() == (f"error: --resume {s3.url('empty')}: no whole checkpoint under "
+                                          f"{s3.url('empty')}/checkpoints or {s3.url('empty')}"), said
+
     code, said = _submit(tmp_path, capsys, "s3://no-such-bucket/run")
     assert code == 2, said
     assert said.strip() == ("error: key 'checkpoint.path': the bucket 'no-such-bucket' does not exist "
