@@ -14,15 +14,25 @@ import ray
 from s3_server import ACCESS_KEY, SECRET_KEY, s3_server
 
 from orchestrator.cli import main
-from orchestrator.control.store_probe import PROBE_PREFIX, check_writable
+from orchestrator.control.store_probe import PROBE_PREFIX, _why, check_writable, is_object_store
 from orchestrator.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A server start and a few HTTP round trips, one of them a refused connection: a second or more.
-pytestmark = pytest.mark.slow
-
 s3 = pytest.fixture(scope="module")(s3_server)
+
+
+def test_a_refusal_that_would_quote_a_credential_masks_it(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-v4lue")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEID")
+    said = _why(PermissionError("AKIAEXAMPLEID: the signature made with s3cr3t-v4lue does not match"), "s3://bkt/run")
+    assert said == ("the store refused the credentials writing s3://bkt/run (***: the signature made with *** does not "
+                    "match); check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, and that they may "
+                    "write and delete there")
+    # each store's own credential settings are named, never another's
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in _why(PermissionError("denied"), "gs://bkt/run")
+    assert is_object_store("s3://bkt/run") and is_object_store("gs://bkt/run")
+    assert not is_object_store("/data/ckpt") and not is_object_store("file:///data/ckpt") and not is_object_store(None)
 
 
 def _submit(tmp_path: Path, capsys, checkpoint_path: str, *overrides: str) -> tuple[int, str]:
@@ -32,6 +42,8 @@ def _submit(tmp_path: Path, capsys, checkpoint_path: str, *overrides: str) -> tu
     return code, said.out + said.err
 
 
+# A server start and a few HTTP round trips, one of them a refused connection: a second or more.
+@pytest.mark.slow
 def test_a_bad_bucket_credentials_or_endpoint_is_one_line_before_anything_starts(s3, tmp_path, capsys, monkeypatch):
     import boto3
 
