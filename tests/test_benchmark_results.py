@@ -37,6 +37,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "activation_memory": ("rows", "max_error", "goal"),
     "checkpoint_cost": ("params_m", "steps", "sync", "async"),
     "first_run": ("runs", "goals", "met"),
+    "checkpoint_store": ("ranks", "steps", "stores", "params", "checkpoint_bytes"),
     "compile": ("eager_s", "compiled_s", "speedup", "cold_compile_s", "warm_compile_s"),
     "rehearsal": ("cases", "max_memory_error", "max_bytes_error", "goal"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),

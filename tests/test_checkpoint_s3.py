@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import threading
 
-import boto3
 import pytest
 import torch
 import torch.distributed as dist
@@ -34,6 +33,8 @@ def one_rank():
 
 def _keys(store: S3Store, prefix: str) -> list[str]:
     """What the server itself holds under `prefix` (asked with boto3, not through fsspec)."""
+    import boto3
+
     listed = boto3.client("s3").list_objects_v2(Bucket=store.bucket, Prefix=prefix)
     return sorted(o["Key"][len(prefix) + 1:] for o in listed.get("Contents", []))
 
@@ -59,6 +60,7 @@ def test_checkpoints_commit_prune_verify_and_load_on_the_server(one_rank, s3):
 
 
 def test_a_torn_upload_is_never_taken_as_committed(one_rank, s3):
+    import boto3
     from rich.console import Console
 
     from orchestrator.record.checkpoint_scan import latest_whole_checkpoint
@@ -123,6 +125,7 @@ def test_an_async_save_uploads_off_the_step_and_commits_only_when_asked(one_rank
 def test_a_checkpoint_another_process_commits_is_seen_after_this_one_listed(one_rank, s3):
     # The driver lists the store, then the workers (other processes, other clients) commit a
     # newer checkpoint: the next listing must see it, not the one the client cached.
+    import boto3
     from rich.console import Console
 
     from orchestrator.record.checkpoint_scan import latest_whole_checkpoint

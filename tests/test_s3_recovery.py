@@ -89,9 +89,9 @@ def _only_run(runs: Path) -> Path:
     return run
 
 
-def _kill_between_checkpoints(cluster: Cluster, runs: Path, prefix: str) -> subprocess.Popen:
+def _kill_between_checkpoints(cluster: Cluster, runs: Path, prefix: str) -> str:
     """`submit` in a process of its own on the cluster, SIGKILLed once its first checkpoint is
-    committed on the store and before its last."""
+    committed on the store and before its last; returns what it printed."""
     driver = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "submit", str(JOB), *SMALL, f"monitor.runs_dir={runs}",
          f"checkpoint.path={prefix}", f"cluster.address={cluster.address}"],
@@ -103,7 +103,7 @@ def _kill_between_checkpoints(cluster: Cluster, runs: Path, prefix: str) -> subp
         time.sleep(0.1)
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
-    return driver
+    return driver.stdout.read().decode(errors="replace")
 
 
 def test_a_run_killed_on_nodes_without_a_shared_disk_resumes_from_s3_where_the_uninterrupted_run_ends(
@@ -118,7 +118,7 @@ def test_a_run_killed_on_nodes_without_a_shared_disk_resumes_from_s3_where_the_u
     assert whole["checkpoints"][-1] == f"{s3.url('whole')}/step_00000024"
 
     # the same run, killed between two of its checkpoints
-    _kill_between_checkpoints(two_nodes, tmp_path / "killed", s3.url("killed"))
+    printed = _kill_between_checkpoints(two_nodes, tmp_path / "killed", s3.url("killed"))
     left = checkpoint_files.committed(s3.url("killed"))
     assert left and not left[-1].endswith("step_00000024"), left
     # its nodes go, and two that never saw the run take their place
@@ -130,6 +130,8 @@ def test_a_run_killed_on_nodes_without_a_shared_disk_resumes_from_s3_where_the_u
     capsys.readouterr()
     assert main(["submit", str(JOB), *SMALL, f"monitor.runs_dir={tmp_path / 'resumed'}",
                  f"checkpoint.path={s3.url('resumed')}", "--resume", s3.url("killed")]) == 0
+    said = capsys.readouterr()
+    printed += said.out + said.err
     resumed_dir = _only_run(tmp_path / "resumed")
     resumed = json.loads((resumed_dir / "summary.json").read_text())
     assert resumed["resumed_from"] == left[-1] and resumed["steps"] == 24
@@ -154,6 +156,7 @@ def test_a_run_killed_on_nodes_without_a_shared_disk_resumes_from_s3_where_the_u
     local = [p for p in tmp_path.rglob("*") if p.name.endswith(".distcp") or p.name.startswith("step_")]
     local += [p for p in two_nodes.tmp.rglob("*") if p.name.endswith(".distcp") or p.name.startswith("step_")]
     assert local == []
+    assert ACCESS_KEY not in printed and SECRET_KEY not in printed
     for run_dir in (run.path, _only_run(tmp_path / "killed"), resumed_dir):
         assert not (run_dir / "checkpoints").exists()
         for f in (p for p in run_dir.rglob("*") if p.is_file()):

@@ -9,21 +9,30 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import boto3
 import pytest
 import ray
 from s3_server import ACCESS_KEY, SECRET_KEY, s3_server
 
 from orchestrator.cli import main
-from orchestrator.control.store_probe import PROBE_PREFIX, check_writable
+from orchestrator.control.store_probe import PROBE_PREFIX, _why, check_writable, is_object_store
 from orchestrator.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A server start and a few HTTP round trips, one of them a refused connection: a second or more.
-pytestmark = pytest.mark.slow
-
 s3 = pytest.fixture(scope="module")(s3_server)
+
+
+def test_a_refusal_that_would_quote_a_credential_masks_it(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-v4lue")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEID")
+    said = _why(PermissionError("AKIAEXAMPLEID: the signature made with s3cr3t-v4lue does not match"), "s3://bkt/run")
+    assert said == ("the store refused the credentials writing s3://bkt/run (***: the signature made with *** does not "
+                    "match); check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, and that they may "
+                    "write and delete there")
+    # each store's own credential settings are named, never another's
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in _why(PermissionError("denied"), "gs://bkt/run")
+    assert is_object_store("s3://bkt/run") and is_object_store("gs://bkt/run")
+    assert not is_object_store("/data/ckpt") and not is_object_store("file:///data/ckpt") and not is_object_store(None)
 
 
 def _submit(tmp_path: Path, capsys, checkpoint_path: str, *overrides: str) -> tuple[int, str]:
@@ -33,11 +42,20 @@ def _submit(tmp_path: Path, capsys, checkpoint_path: str, *overrides: str) -> tu
     return code, said.out + said.err
 
 
+# A server start and a few HTTP round trips, one of them a refused connection: a second or more.
+@pytest.mark.slow
 def test_a_bad_bucket_credentials_or_endpoint_is_one_line_before_anything_starts(s3, tmp_path, capsys, monkeypatch):
+    import boto3
+
     # the store as configured is writable, and the probe leaves nothing behind
     check_writable("checkpoint.path", s3.url("run"))
     listed = boto3.client("s3").list_objects_v2(Bucket=s3.bucket)
     assert not [o["Key"] for o in listed.get("Contents", []) if PROBE_PREFIX in o["Key"]]
+
+    # --resume from a prefix that holds no checkpoint: one line naming where it looked
+    code, said = _submit(tmp_path, capsys, s3.url("run"), "--resume", s3.url("empty"))
+    assert code == 2 and said.strip() == (f"error: --resume {s3.url('empty')}: no whole checkpoint under "
+                                          f"{s3.url('empty')}/checkpoints or {s3.url('empty')}"), said
 
     code, said = _submit(tmp_path, capsys, "s3://no-such-bucket/run")
     assert code == 2, said

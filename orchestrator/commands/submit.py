@@ -54,7 +54,7 @@ def resume_checkpoint(run_dir: str) -> str:
         found = latest_whole_checkpoint(candidate, Console(stderr=True))
         if found:
             return found[0]
-    raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root}/checkpoints")
+    raise CheckpointError(f"--resume {run_dir}: no whole checkpoint under {root}/checkpoints or {root}")
 
 
 def run(args: argparse.Namespace) -> int:
