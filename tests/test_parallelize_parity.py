@@ -315,7 +315,7 @@ def test_resolve_rejects_what_cannot_run() -> None:
 @pytest.mark.parametrize(
     ("axes", "message"),
     [
-        ({"dp": 4, "tp": 1}, "mesh axes are pp, dp_replicate, dp_shard, tp; got dp"),
+        ({"dp": 4, "tp": 1}, "mesh axes are pp, dp_replicate, dp_shard, cp, tp, ep; got dp"),
         ({"dp_replicate": 0, "dp_shard": 1, "tp": 1}, "mesh axis dp_replicate must be a positive integer, got 0"),
     ],
 )
@@ -333,7 +333,7 @@ def test_parallelize_needs_node_of_rank_for_a_hierarchical_all_reduce(one_rank_g
 
 def test_parallelize_rejects_a_device_mesh_of_another_shape(one_rank_group) -> None:
     ex = resolve("ddp", Mesh(dp_replicate=4), precision="fp32", device="cpu")
-    with pytest.raises(ValueError, match=re.escape("the device mesh has shape (1, 1, 1, 1), the execution is for")):
+    with pytest.raises(ValueError, match=re.escape("the device mesh has shape (1, 1, 1, 1, 1), the execution is for")):
         parallelize(torch.nn.Linear(4, 4), ex, build_mesh(Mesh(), "cpu"), pw.make_optimizer, torch.device("cpu"))
 
 
