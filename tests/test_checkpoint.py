@@ -3,25 +3,12 @@ s3:// and gs://, where no rename exists and meta.json written last is the commit
 
 from __future__ import annotations
 
-import socket
-
 import fsspec
 import pytest
 import torch
-import torch.distributed as dist
 
 from orchestrator.errors import CheckpointError
 from orchestrator.runtime import checkpoint, checkpoint_files
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_uri_checkpoints_commit_prune_verify_and_load(one_rank):

@@ -4,12 +4,10 @@ and a background save's upload runs off the step's path."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from s3_server import S3Store, s3_server
 
 from orchestrator.errors import CheckpointError
@@ -19,16 +17,6 @@ from orchestrator.runtime import checkpoint, checkpoint_files
 pytestmark = pytest.mark.slow
 
 s3 = pytest.fixture(scope="module")(s3_server)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _keys(store: S3Store, prefix: str) -> list[str]:
