@@ -202,12 +202,23 @@ def fake_safe_runtime() -> Iterator[None]:
     DeviceMesh.__init__ = lambda self, *a, **k: outside(mesh_init, self, *a, **k)  # type: ignore[method-assign]
     # torch's pipeline stages vote over point-to-point whether their shapes are static and
     # read the vote back (`.item()`). Stages built without shapes, as the runtime builds them,
-    # all vote dynamic; run outside fake mode, the fake backend's receive leaves the zero that
-    # means dynamic, so every stage decides as in a real run.
+    # all vote dynamic in a real run; a fake group has no peer to vote with (some torch builds
+    # refuse the vote on one outright), so the rehearsal records the outcome a real run reaches:
+    # dynamic, whose metadata exchange `_peer_meta` and `_keep_meta` stand in for.
+    from torch.distributed.pipelining._utils import InferenceMode
     from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.distributed.pipelining.stage import PipelineStage
 
     warmup = _PipelineSchedule._warmup_p2p
-    _PipelineSchedule._warmup_p2p = lambda self, *a, **k: outside(warmup, self, *a, **k)  # type: ignore
+
+    def decided_dynamic(self: Any, stages: list[Any], *args: Any, **kwargs: Any) -> None:
+        if not all(isinstance(st, PipelineStage) for st in stages):
+            outside(warmup, self, stages, *args, **kwargs)
+            return
+        for st in stages:
+            st._inference_mode = InferenceMode.DYNAMIC
+
+    _PipelineSchedule._warmup_p2p = decided_dynamic  # type: ignore[method-assign]
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     propagate = ShardingPropagator._propagate_tensor_meta_non_cached
@@ -220,8 +231,6 @@ def fake_safe_runtime() -> Iterator[None]:
             PROPAGATING[0] = False
 
     ShardingPropagator._propagate_tensor_meta_non_cached = propagating  # type: ignore[method-assign]
-    from torch.distributed.pipelining.stage import PipelineStage
-
     recv_meta, send_meta = PipelineStage._recv_meta, PipelineStage._send_meta
     PipelineStage._recv_meta = _peer_meta  # type: ignore[method-assign]
     PipelineStage._send_meta = _keep_meta  # type: ignore[method-assign]
