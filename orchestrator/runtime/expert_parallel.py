@@ -1,0 +1,174 @@
+"""Expert parallelism and the experts' load balancing, as torchtitan runs them.
+
+The expert mesh is a second factorisation of the job's ranks (`Mesh.expert_shape` over
+`EXPERT_AXES`: pp, dp_replicate, efsdp, ep), built beside the dense one. Each rank of an `ep`
+group holds `E / ep` of every MoE layer's routed experts, as DTensors `Shard(0)` on `ep`, so a
+checkpoint names them by their whole, canonical names and DCP reshards them to any other `ep`.
+
+A forward through one layer's experts (`GroupedExperts`, rows sorted by expert and the count of
+each) becomes, per `ep` group: the counts exchanged (an even all-to-all), the rows sent to the
+ranks holding their experts (an uneven all-to-all with autograd), the received rows permuted
+from rank-major to expert-major, this rank's experts, and the reverse. An expert that gets no
+rows, or a rank that gets them all, is only a split of zero or of everything.
+
+The experts are then FSDP2-sharded over `efsdp` (and `dp_replicate` under HSDP) while the rest
+of each block stays on the dense mesh; their gradients are divided by all data-parallel ranks,
+not by the `efsdp` ranks FSDP2 reduces over, since the tokens of every data-parallel rank reach
+every expert through the all-to-all (torchtitan's `gradient_divide_factor`).
+
+With `ep = 1` the experts are ordinary parameters, FSDP-sharded with their block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+from orchestrator.errors import PlanError
+from orchestrator.planning.mesh import EXPERT_AXES
+from orchestrator.planning.resolve import Execution
+from orchestrator.workloads.moe import moe_layers
+
+
+def expert_parallel_mesh(ex: Execution, device_type: str) -> DeviceMesh | None:
+    """The expert mesh over the same ranks as the dense one, for `ex.mesh.ep > 1` (None at
+    ep=1): `ep` innermost, so an expert-parallel group is adjacent ranks, as placement lays
+    them on one NVLink island. PlanError for what the runtime does not compose with it."""
+    mesh = ex.mesh
+    if mesh.ep == 1:
+        return None
+    if ex.ddp_reduces:
+        raise PlanError(f"key 'parallel.ep': ep={mesh.ep} needs an FSDP2 strategy (zero2, zero3, hsdp); "
+                        f"{ex.strategy} replicates whole parameters, which expert parallelism splits")
+    if mesh.tp > 1:
+        raise PlanError(f"key 'parallel.ep': ep={mesh.ep} with tp={mesh.tp} is not run: the tensor-parallel ranks "
+                        f"hold the same tokens, so an ep group borrowing them would route each token twice; "
+                        f"use tp=1 or ep=1")
+    return init_device_mesh(device_type, mesh.expert_shape, mesh_dim_names=EXPERT_AXES)
+
+
+class _Dispatch:
+    """Dispatch and combine of one layer's experts over an `ep` group (torchtitan's
+    AllToAllTokenDispatcher); what dispatch learnt of the splits is kept for combine."""
+
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        self.ep = ep_mesh.size()
+        self.group = ep_mesh.get_group()
+        self.input_splits: list[int] = []
+        self.output_splits: list[int] = []
+        self.order = torch.empty(0, dtype=torch.long)
+
+    def dispatch(self, _module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor], _mesh: DeviceMesh) -> Any:
+        rows, counts = inputs
+        with torch.no_grad():
+            # counts[e]: this rank's rows for global expert e; received[r * L + l]: rank r's for
+            # local expert l.
+            received = funcol.all_to_all_single(counts, None, None, self.group)
+            received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
+            self.input_splits = counts.view(self.ep, -1).sum(1).tolist()
+            self.output_splits = received.view(self.ep, -1).sum(1).tolist()
+        rows = funcol.all_to_all_single_autograd(rows, self.output_splits, self.input_splits, self.group)
+        by_rank = received.view(self.ep, -1)
+        self.order = _expert_major(by_rank)
+        return rows[self.order], by_rank.sum(0)
+
+    def combine(self, _module: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
+        back = torch.empty_like(output).index_copy_(0, self.order, output)
+        return funcol.all_to_all_single_autograd(back, self.input_splits, self.output_splits, self.group)
+
+
+def _expert_major(by_rank: torch.Tensor) -> torch.Tensor:
+    """Row indices that reorder received rows from (source rank, local expert) blocks to
+    (local expert, source rank) blocks; `by_rank[r, l]` is block (r, l)'s length."""
+    lengths = by_rank.reshape(-1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    blocks = torch.arange(lengths.numel(), device=lengths.device).view_as(by_rank).t().reshape(-1)
+    new_lengths = lengths[blocks]
+    new_starts = torch.cumsum(new_lengths, 0) - new_lengths
+    shift = torch.repeat_interleave(starts[blocks] - new_starts, new_lengths)
+    return torch.arange(int(lengths.sum()), device=lengths.device) + shift
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> int:
+    """Hold `1/ep` of every MoE layer's experts on each rank and route their rows through the
+    all-to-all; returns the layers done. PlanError when `ep` does not divide the expert count."""
+    ep_mesh = expert_mesh["ep"]
+    ep = ep_mesh.size()
+    layers = moe_layers(model)
+    for layer in layers:
+        experts = layer.cfg.num_experts
+        if experts % ep:
+            raise PlanError(f"key 'parallel.ep': ep={ep} must divide the model's {experts} experts per MoE layer "
+                            f"(model.args.num_experts): each rank holds a whole share of them")
+
+        def shard(_name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+            for name, p in list(module.named_parameters(recurse=False)):
+                # Every rank holds the same whole value (or none yet, on meta): no communication.
+                sharded = distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None)
+                module.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+        route = _Dispatch(ep_mesh)
+        distribute_module(layer.experts, ep_mesh, shard, input_fn=route.dispatch, output_fn=route.combine)
+    return len(layers)
+
+
+def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, replicate: bool, reshard_after_forward: bool,
+                  policy: MixedPrecisionPolicy, data_parallel: int) -> None:
+    """FSDP2 over the experts' own data-parallel ranks (`efsdp`, with `dp_replicate` as HSDP's
+    replicas when `replicate`, else flattened into one shard group), before the blocks are
+    wrapped on the dense mesh; gradients divided by all `data_parallel` ranks."""
+    replicas = expert_mesh["dp_replicate"].size()
+    if replicas == 1:
+        mesh = expert_mesh["efsdp"]
+    elif replicate:
+        mesh = expert_mesh["dp_replicate", "efsdp"]
+    else:
+        mesh = expert_mesh["dp_replicate", "efsdp"]._flatten("expert_dp")
+    shard_ranks = expert_mesh["efsdp"].size() * (1 if replicate else replicas)
+    for layer in moe_layers(model):
+        local_experts = layer.cfg.num_experts // expert_mesh["ep"].size()
+        # More shard ranks than local experts would leave ranks empty: shard the width instead.
+        dim = 1 if shard_ranks > local_experts else 0
+        fully_shard(layer.experts, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    shard_placement_fn=lambda _p, dim=dim: Shard(dim))
+        layer.experts.set_gradient_divide_factor(float(data_parallel))  # type: ignore[operator]
+        if mesh.device_type == "cpu" and shard_ranks > 1:
+            # gloo has no PREMUL_SUM, which a divide factor of its own reduce-scatters with:
+            # FSDP2 then divides after a plain sum. (Over one shard rank it reduce-scatters
+            # nothing and divides already; forcing the sum there would divide twice.)
+            layer.experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
+def loss_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The ranks that share this rank's loss: its pipeline stage's (all ranks without a pipeline)."""
+    if mesh["pp"].size() == 1:
+        return None
+    return mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("loss").get_group()
+
+
+def install_load_balancing(model: nn.Module, optimizer: torch.optim.Optimizer,
+                           group: dist.ProcessGroup | None) -> int:
+    """DeepSeek-V3's bias update before every optimizer step, from the tokens each expert got in
+    the step summed over `group` (the ranks that share the loss; None: the world, or this
+    process alone without torch.distributed). Returns the layers balanced; a model (or stage)
+    with no MoE layer gets no hook and no collective."""
+    layers = moe_layers(model)
+    if not layers:
+        return 0
+
+    def balance(*_: object) -> None:
+        counts = torch.stack([layer.step_counts() for layer in layers])
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=group)
+        for layer, c in zip(layers, counts):
+            layer.balance(c)
+
+    optimizer.register_step_pre_hook(balance)
+    return len(layers)
