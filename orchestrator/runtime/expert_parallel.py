@@ -21,6 +21,7 @@ With `ep = 1` the experts are ordinary parameters, FSDP-sharded with their block
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -172,3 +173,15 @@ def install_load_balancing(model: nn.Module, optimizer: torch.optim.Optimizer,
 
     optimizer.register_step_pre_hook(balance)
     return len(layers)
+
+
+def expert_load(modules: Iterable[nn.Module]) -> dict[str, Any] | None:
+    """The last step's load of the MoE layers in `modules` (this rank's, all of a stage's under
+    a pipeline), for the step's metrics row: `expert_tokens`, tokens per expert per layer over
+    the ranks sharing the loss, and `expert_imbalance`, per layer the most tokens an expert got
+    over the mean. None without MoE layers or before their first step."""
+    loads = [m.last_load for module in modules for m in moe_layers(module) if m.last_load is not None]
+    if not loads:
+        return None
+    imbalance = [float(c.max() / c.mean()) if float(c.sum()) > 0 else 1.0 for c in loads]
+    return {"expert_tokens": [[int(n) for n in c.tolist()] for c in loads], "expert_imbalance": imbalance}

@@ -302,6 +302,9 @@ class MoE(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         """Tokens each expert got in training forwards since the last `balance` (fp32, on the
         forward's device; None before the first). Not a buffer: DDP would broadcast rank 0's."""
+        self.last_load: torch.Tensor | None = None
+        """Tokens each expert got in the last step over the ranks sharing the loss (what the
+        last `balance` read); None before it."""
         self.last_aux_loss: torch.Tensor | None = None
         """The sequence-wise balance loss of the last forward (None when `aux_loss_coeff` is 0)."""
 
@@ -348,6 +351,7 @@ class MoE(nn.Module):
         if self.cfg.load_balance_coeff > 0:
             delta = self.cfg.load_balance_coeff * torch.sign(counts.mean() - counts)
             self.expert_bias += delta - delta.mean()
+        self.last_load = counts.detach().clone()
         self.tokens_per_expert = None
 
     def step_counts(self) -> torch.Tensor:
