@@ -43,8 +43,11 @@ SHAPES: dict[str, dict] = {
               "load_balance_coeff": 1e-2},
     # One expert per rank of an ep=2 group and 2 expert-FSDP ranks: the experts shard by width.
     "two": {"preset": "tiny", "num_experts": 2, "top_k": 1, "dense_layers": 0},
+    # A collapsed router: every token's choice is expert 0 (its bias far above the scores,
+    # never balanced), so one rank of an ep group gets every row and its peer none.
+    "collapsed": {"preset": "tiny", "top_k": 1, "load_balance_coeff": 0.0},
 }
-TOLERANCE = {"tiny": 1e-5, "other": 2e-4, "two": 1e-5}
+TOLERANCE = {"tiny": 1e-5, "other": 2e-4, "two": 1e-5, "collapsed": 1e-5}
 """Loss tolerance by shape. The per-expert loop's matmuls over a rank's few rows round
 differently from one process's over all of them, a few ulps that grow to some 8e-5 by the
 fifth step here (measured; as much at ep=1 as at ep=4). A mis-divided expert gradient (a
@@ -75,12 +78,22 @@ CASES = [
          resume_from=["other_ep1"]),
     Case("other_ep4", "other", cpu_execution("zero3", Mesh(dp_shard=4, ep=4), max_steps=STEPS)),
     Case("two_ep2", "two", cpu_execution("zero3", Mesh(dp_shard=4, ep=2), max_steps=STEPS)),
+    # ep borrowing the tensor-parallel ranks: each dispatches its half of the rows.
+    Case("tiny_tp2_ep2", "tiny", cpu_execution("zero3", Mesh(dp_shard=2, tp=2, ep=2), max_steps=STEPS),
+         resume_from=["tiny_ep4"]),
+    Case("other_tp2_ep4", "other", cpu_execution("zero3", Mesh(dp_shard=2, tp=2, ep=4), max_steps=STEPS),
+         resume_from=["other_ep2"]),
+    Case("collapsed_ep2", "collapsed", cpu_execution("zero3", Mesh(dp_shard=4, ep=2), max_steps=STEPS)),
 ]
 
 
 def fresh_model(shape: str, seed: int = 0) -> moe.MoETransformer:
     torch.manual_seed(seed)
-    return moe.build(**SHAPES[shape])
+    model = moe.build(**SHAPES[shape])
+    if shape == "collapsed":
+        for layer in moe.moe_layers(model):
+            layer.expert_bias[0] = 10.0
+    return model
 
 
 def batches() -> torch.Tensor:
@@ -160,7 +173,8 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
     losses.append(loss)
     norms.append(norm)
     resumed = {name: _train_step(other, x, y, dp_rank, dp_world)[0] for name, other in zip(case.resume_from, others)}
-    return {"losses": losses, "norms": norms, "bias": _biases(par.model), "resumed": resumed,
+    load = [m.last_load.tolist() for m in moe.moe_layers(par.model) if m.last_load is not None]
+    return {"losses": losses, "norms": norms, "bias": _biases(par.model), "resumed": resumed, "load": load,
             "experts_local_shape": list(experts.to_local().shape) if isinstance(experts, DTensor) else None,
             "experts_mesh": list(experts.device_mesh.mesh_dim_names or ()) if isinstance(experts, DTensor) else None,
             "experts_placements": [str(p) for p in experts.placements] if isinstance(experts, DTensor) else None}

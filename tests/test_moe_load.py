@@ -10,8 +10,8 @@ import torch
 from rich.console import Console
 
 from orchestrator.control.follow import consume
-from orchestrator.record.rundir import RunDir
 from orchestrator.record.run_state import RunState
+from orchestrator.record.rundir import RunDir
 from orchestrator.runtime.expert_parallel import expert_load, install_load_balancing
 from orchestrator.runtime.messages import Stepped
 from orchestrator.workloads import moe
@@ -54,8 +54,8 @@ def test_metrics_keep_the_load_and_a_collapse_is_named_once(tmp_path) -> None:
     written = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert written[2]["expert_tokens"][1] == [64, 0, 0, 0, 0, 0, 0, 0] and written[2]["expert_imbalance"] == [1.0, 8.0]
     warnings = [line for line in view.out.getvalue().splitlines() if "warning" in line]
-    assert warnings == ["warning: step 2: the router of MoE layer 1 is collapsing: expert 0 got 40 of 64 routed tokens, "
-                        "5.0x the mean (max/mean imbalance)"]
+    assert warnings == ["warning: step 2: the router of MoE layer 1 is collapsing: expert 0 got 40 of 64 routed "
+                        "tokens, 5.0x the mean (max/mean imbalance)"]
 
 
 def test_a_dense_runs_rows_read_as_before(tmp_path) -> None:

@@ -1,9 +1,9 @@
 """MoE decoders train exactly like one process with and without expert parallelism.
 
 One launch of 4 gloo ranks runs every case (tests/_moe_parity_worker.py): two MoE shapes and a
-two-expert one at ep 1, 2 and 4 under zero3, ep=2 under hsdp; the loss, the clipped gradient
-norm and the experts' bias after every step against one process, and resuming from a
-checkpoint another ep wrote.
+two-expert one at ep 1, 2 and 4 under zero3, ep=2 under hsdp, ep 2 and 4 with tp=2, and a
+collapsed router; the loss, the clipped gradient norm and the experts' bias after every step
+against one process, and resuming from a checkpoint another ep wrote.
 """
 
 from __future__ import annotations
@@ -75,3 +75,11 @@ def test_experts_are_held_as_planned(results) -> None:
     assert results["tiny_hsdp_ep2"]["experts_mesh"] == ["dp_replicate", "efsdp", "ep"]
     # One expert a rank and two expert-FSDP ranks: sharded by width, not by expert.
     assert results["two_ep2"]["experts_local_shape"] == [1, 16, 64]
+
+
+def test_a_collapsed_router_sends_every_token_to_one_rank_and_trains(results) -> None:
+    # Every token of every step on expert 0, held by rank 0 and 2 of their ep groups; ranks 1
+    # and 3 get no rows, and the loss still matches one process (above).
+    tokens = pw.GLOBAL_MICRO_BATCH * pw.SEQ
+    for layer in results["collapsed_ep2"]["load"]:
+        assert layer == [tokens] + [0] * 7

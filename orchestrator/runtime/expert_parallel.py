@@ -9,7 +9,8 @@ A forward through one layer's experts (`GroupedExperts`, rows sorted by expert a
 each) becomes, per `ep` group: the counts exchanged (an even all-to-all), the rows sent to the
 ranks holding their experts (an uneven all-to-all with autograd), the received rows permuted
 from rank-major to expert-major, this rank's experts, and the reverse. An expert that gets no
-rows, or a rank that gets them all, is only a split of zero or of everything.
+rows, or a rank that gets them all, is only a split of zero or of everything. The ranks of a
+tensor-parallel group hold the same tokens: each dispatches its share of them (`_Dispatch`).
 
 The experts are then FSDP2-sharded over `efsdp` (and `dp_replicate` under HSDP) while the rest
 of each block stays on the dense mesh; their gradients are divided by all data-parallel ranks,
@@ -30,7 +31,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from orchestrator.errors import PlanError
 from orchestrator.planning.mesh import EXPERT_AXES
@@ -48,26 +49,45 @@ def expert_parallel_mesh(ex: Execution, device_type: str) -> DeviceMesh | None:
     if ex.ddp_reduces:
         raise PlanError(f"key 'parallel.ep': ep={mesh.ep} needs an FSDP2 strategy (zero2, zero3, hsdp); "
                         f"{ex.strategy} replicates whole parameters, which expert parallelism splits")
-    if mesh.tp > 1:
-        raise PlanError(f"key 'parallel.ep': ep={mesh.ep} with tp={mesh.tp} is not run: the tensor-parallel ranks "
-                        f"hold the same tokens, so an ep group borrowing them would route each token twice; "
-                        f"use tp=1 or ep=1")
     return init_device_mesh(device_type, mesh.expert_shape, mesh_dim_names=EXPERT_AXES)
 
 
 class _Dispatch:
     """Dispatch and combine of one layer's experts over an `ep` group (torchtitan's
-    AllToAllTokenDispatcher); what dispatch learnt of the splits is kept for combine."""
+    AllToAllTokenDispatcher); what dispatch learnt of the splits is kept for combine.
 
-    def __init__(self, ep_mesh: DeviceMesh) -> None:
+    Under tensor parallelism the ranks of a `tp` group hold the same tokens (and route them
+    alike, so the router's gradient stays whole on each): each dispatches only its `1/tp`
+    share of the sorted rows, and the experts' outputs are gathered back whole over `tp`
+    (a DTensor Replicate -> Shard(0) and back, whose backward takes the share and gathers
+    its gradient), so every row reaches its expert once."""
+
+    def __init__(self, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None) -> None:
         self.ep = ep_mesh.size()
         self.group = ep_mesh.get_group()
+        self.tp_mesh = tp_mesh
         self.input_splits: list[int] = []
         self.output_splits: list[int] = []
         self.order = torch.empty(0, dtype=torch.long)
+        self.whole_rows = 0
+
+    def _share(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This tp rank's chunk of the rows (torch.chunk's split, as Shard(0)'s) and the count
+        of each expert's rows in it."""
+        assert self.tp_mesh is not None
+        tp, rank = self.tp_mesh.size(), self.tp_mesh.get_local_rank()
+        self.whole_rows = rows.shape[0]
+        size = -(-self.whole_rows // tp)
+        start, end = min(rank * size, self.whole_rows), min((rank + 1) * size, self.whole_rows)
+        ends = torch.cumsum(counts, 0)
+        share = (torch.clamp(ends, max=end) - torch.clamp(ends - counts, min=start)).clamp(min=0)
+        local = DTensor.from_local(rows, self.tp_mesh, [Replicate()]).redistribute(self.tp_mesh, [Shard(0)])
+        return local.to_local(), share
 
     def dispatch(self, _module: nn.Module, inputs: tuple[torch.Tensor, torch.Tensor], _mesh: DeviceMesh) -> Any:
         rows, counts = inputs
+        if self.tp_mesh is not None:
+            rows, counts = self._share(rows, counts)
         with torch.no_grad():
             # counts[e]: this rank's rows for global expert e; received[r * L + l]: rank r's for
             # local expert l.
@@ -82,7 +102,20 @@ class _Dispatch:
 
     def combine(self, _module: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
         back = torch.empty_like(output).index_copy_(0, self.order, output)
-        return funcol.all_to_all_single_autograd(back, self.input_splits, self.output_splits, self.group)
+        mine = funcol.all_to_all_single_autograd(back, self.input_splits, self.output_splits, self.group)
+        if self.tp_mesh is None:
+            return mine
+        whole = torch.Size([self.whole_rows, *mine.shape[1:]])
+        shared = DTensor.from_local(mine, self.tp_mesh, [Shard(0)], shape=whole, stride=_contiguous(whole))
+        return shared.redistribute(self.tp_mesh, [Replicate()]).to_local()
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _expert_major(by_rank: torch.Tensor) -> torch.Tensor:
@@ -97,9 +130,11 @@ def _expert_major(by_rank: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(lengths.sum()), device=lengths.device) + shift
 
 
-def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> int:
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> int:
     """Hold `1/ep` of every MoE layer's experts on each rank and route their rows through the
-    all-to-all; returns the layers done. PlanError when `ep` does not divide the expert count."""
+    all-to-all, each rank of `tp_mesh` (ranks holding the same tokens; None without tensor
+    parallelism) its share of them; returns the layers done. PlanError when `ep` does not
+    divide the expert count."""
     ep_mesh = expert_mesh["ep"]
     ep = ep_mesh.size()
     layers = moe_layers(model)
@@ -115,7 +150,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> int:
                 sharded = distribute_tensor(p.data, mesh, [Shard(0)], src_data_rank=None)
                 module.register_parameter(name, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
-        route = _Dispatch(ep_mesh)
+        route = _Dispatch(ep_mesh, tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None)
         distribute_module(layer.experts, ep_mesh, shard, input_fn=route.dispatch, output_fn=route.combine)
     return len(layers)
 
@@ -155,11 +190,12 @@ def loss_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 
 
 def install_load_balancing(model: nn.Module, optimizer: torch.optim.Optimizer,
-                           group: dist.ProcessGroup | None) -> int:
+                           group: dist.ProcessGroup | None, copies: int = 1) -> int:
     """DeepSeek-V3's bias update before every optimizer step, from the tokens each expert got in
     the step summed over `group` (the ranks that share the loss; None: the world, or this
-    process alone without torch.distributed). Returns the layers balanced; a model (or stage)
-    with no MoE layer gets no hook and no collective."""
+    process alone without torch.distributed), where `copies` ranks route each token (the
+    tensor-parallel ones). Returns the layers balanced; a model (or stage) with no MoE layer
+    gets no hook and no collective."""
     layers = moe_layers(model)
     if not layers:
         return 0
@@ -168,6 +204,7 @@ def install_load_balancing(model: nn.Module, optimizer: torch.optim.Optimizer,
         counts = torch.stack([layer.step_counts() for layer in layers])
         if dist.is_initialized():
             dist.all_reduce(counts, group=group)
+        counts /= copies
         for layer, c in zip(layers, counts):
             layer.balance(c)
 

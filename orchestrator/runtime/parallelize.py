@@ -394,7 +394,7 @@ def parallelize(
         apply_tensor_parallel(model, mesh["tp"])
     expert_mesh = expert_parallel_mesh(ex, device.type)
     if expert_mesh is not None:
-        apply_expert_parallel(model, expert_mesh)
+        apply_expert_parallel(model, expert_mesh, mesh["tp"])
     apply_recompute(model, ex.recompute)
     if compile_blocks:
         compile_model_blocks(model)
@@ -425,7 +425,7 @@ def parallelize(
         )
         notes += sync_notes
         optimizer = _zero_optimizer(ddp, make_optimizer, group) if ex.zero_optimizer else make_optimizer(ddp)
-        install_load_balancing(ddp, optimizer, loss_group(mesh))
+        install_load_balancing(ddp, optimizer, loss_group(mesh), copies=ex.mesh.tp)
         return Parallelized(ddp, optimizer, notes, hierarchy)
 
     # FSDP2 over the 2-D (dp_replicate, dp_shard) mesh replicates across the first axis (hsdp,
@@ -444,5 +444,5 @@ def parallelize(
         assert materialize is not None
         materialize(model)  # sharded now: each rank allocates its own shards only
     optimizer = make_optimizer(model)
-    install_load_balancing(model, optimizer, loss_group(mesh))
+    install_load_balancing(model, optimizer, loss_group(mesh), copies=ex.mesh.tp)
     return Parallelized(model, optimizer, notes, keeps_gathered=not ex.reshard_after_forward)
