@@ -76,3 +76,18 @@ def test_an_hf_moe_whose_expert_fields_are_unknown_names_the_key(tmp_path) -> No
             num_experts_per_tok=2, eos_token_id=1, pad_token_id=0, bos_token_id=None)
     with pytest.raises(ConfigError, match=r"key 'model.hf_config'.*olmoe.*expert fields are not known"):
         model_spec(m)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_refuses_experts_it_cannot_split(tmp_path) -> None:
+    from orchestrator.errors import PlanError
+    from orchestrator.runtime.expert_parallel import check_splittable
+    from orchestrator.workloads.hf import build
+
+    check_splittable(moe.build("tiny"))  # the built-in family's split
+    m = _hf(tmp_path, model_type="qwen3_moe", intermediate_size=128, moe_intermediate_size=32, head_dim=16,
+            num_experts=8, num_experts_per_tok=2)
+    with torch.device("meta"):
+        hf = build(m.hf_config)
+    with pytest.raises(PlanError, match=r"key 'parallel.ep'.*Qwen3MoeExperts; use ep=1"):
+        check_splittable(hf)

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from orchestrator.errors import PlanError
 from orchestrator.planning.mesh import EXPERT_AXES
 from orchestrator.planning.resolve import Execution
-from orchestrator.workloads.moe import moe_layers
+from orchestrator.workloads.moe import GroupedExperts, moe_layers
 
 
 def expert_parallel_mesh(ex: Execution, device_type: str) -> DeviceMesh | None:
@@ -130,11 +130,22 @@ def _expert_major(by_rank: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(lengths.sum()), device=lengths.device) + shift
 
 
+def check_splittable(model: nn.Module) -> None:
+    """PlanError where `model` holds routed experts other than the built-in family's
+    (`GroupedExperts`, whose rows and counts the dispatch reads): a Hugging Face MoE runs its
+    experts FSDP-sharded with their blocks, at ep=1."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and not isinstance(module, GroupedExperts):
+            raise PlanError(f"key 'parallel.ep': expert parallelism splits the built-in MoE family's experts "
+                            f"(orchestrator.workloads.moe); {name} is a {type(module).__name__}; use ep=1")
+
+
 def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None) -> int:
     """Hold `1/ep` of every MoE layer's experts on each rank and route their rows through the
     all-to-all, each rank of `tp_mesh` (ranks holding the same tokens; None without tensor
     parallelism) its share of them; returns the layers done. PlanError when `ep` does not
     divide the expert count."""
+    check_splittable(model)
     ep_mesh = expert_mesh["ep"]
     ep = ep_mesh.size()
     layers = moe_layers(model)
