@@ -46,6 +46,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "gpu_check": ("parts", "device", "seconds"),
     "large_model_cpu": ("params", "ranks", "loss", "plan_memory_per_rank"),
     "memory_model": ("world", "models", "max_error", "goal"),
+    "moe_expert_parallel": ("by_ep", "ep2_over_ep1"),
     "narayanan_ptdp": ("rows", "zero3_vs_ptdp", "flops_counted"),
     "placement_gain": ("models", "rows"),
     "planner_scale": ("model", "rows"),

@@ -19,7 +19,7 @@ from ..planning import Plan
 from ..record.console_view import ConsoleView
 from ..record.progress import ProgressView
 from ..record.report import RANK_TIMES, LiveReport
-from ..record.run_state import METRIC_KEYS, RunState, where
+from ..record.run_state import COLLAPSING_IMBALANCE, EXPERT_LOAD_KEYS, METRIC_KEYS, RunState, where
 from ..record.rundir import RunDir
 from ..record.startup_clock import Phases
 from ..record.straggler import StragglerTracker
@@ -164,6 +164,22 @@ def _first_step(clock: Phases, seconds: float, state: RunState, view: ConsoleVie
         view.recovered(breakdown)
 
 
+def _name_collapsing_router(row: dict[str, Any], previous: dict[str, Any] | None, view: ProgressView) -> None:
+    """A warning the step an MoE layer's imbalance first reaches COLLAPSING_IMBALANCE (again
+    after it fell below): the layer, its busiest expert and the figure."""
+    def worst(r: dict[str, Any] | None) -> float:
+        return max(r.get("expert_imbalance") or [0.0]) if r else 0.0
+
+    if worst(row) < COLLAPSING_IMBALANCE or worst(previous) >= COLLAPSING_IMBALANCE:
+        return
+    layer = max(range(len(row["expert_imbalance"])), key=lambda i: row["expert_imbalance"][i])
+    tokens = row["expert_tokens"][layer]
+    busiest = max(range(len(tokens)), key=lambda e: tokens[e])
+    view.console.print(f"[yellow]warning:[/] step {row['step']}: the router of MoE layer {layer} is collapsing: "
+                       f"expert {busiest} got {tokens[busiest]} of {sum(tokens)} routed tokens, "
+                       f"{row['expert_imbalance'][layer]:.1f}x the mean (max/mean imbalance)", markup=True)
+
+
 def consume(items: list[Message], state: RunState, run: RunDir, view: ProgressView, every: int) -> None:
     """Take what the ranks reported into the run's state, the progress view and metrics.jsonl
     (every `every`-th step and every step with a validation loss)."""
@@ -180,6 +196,8 @@ def consume(items: list[Message], state: RunState, run: RunDir, view: ProgressVi
                                            "exposed_comm_s": c} for s, c in it.times])
         elif isinstance(it, Stepped):
             row: dict[str, Any] = {k: it.row.get(k) for k in METRIC_KEYS}
+            row.update({k: it.row[k] for k in EXPERT_LOAD_KEYS if k in it.row})
+            _name_collapsing_router(row, state.rows[-1] if state.rows else None, view)
             state.rows.append(row)
             if row["val_loss"] is not None:
                 state.val.append((row["step"], row["val_loss"]))

@@ -16,6 +16,12 @@ from .straggler import StragglerTracker
 METRIC_KEYS = ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s", "grad_norm", "mfu",
                "val_loss")
 """The fields of one metrics.jsonl row."""
+EXPERT_LOAD_KEYS = ("expert_tokens", "expert_imbalance")
+"""A Mixture-of-Experts run's further fields: tokens per expert per MoE layer in the step, and
+per layer the most an expert got over the mean (`runtime/expert_parallel.expert_load`)."""
+COLLAPSING_IMBALANCE = 4.0
+"""An MoE layer whose busiest expert gets this many times the mean load is named as a
+collapsing router (at 4 of top-2 routing over 8 experts, one expert takes half the choices)."""
 
 
 @dataclass

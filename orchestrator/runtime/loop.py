@@ -48,6 +48,8 @@ def step_row(result: StepResult, timer: StepTimer, completed: int) -> dict[str, 
     mfu = timer.mfu(result)
     if mfu is not None:
         row["mfu"] = mfu
+    if result.expert_load is not None:
+        row.update(result.expert_load)
     return row
 
 

@@ -50,6 +50,13 @@ from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.compile import compile_blocks as compile_model_blocks
+from orchestrator.runtime.expert_parallel import (
+    apply_expert_parallel,
+    expert_parallel_mesh,
+    install_load_balancing,
+    loss_group,
+    shard_experts,
+)
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 from orchestrator.workloads.models import apply_recompute, block_slots
 
@@ -385,6 +392,9 @@ def parallelize(
         model.to(device)
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    expert_mesh = expert_parallel_mesh(ex, device.type)
+    if expert_mesh is not None:
+        apply_expert_parallel(model, expert_mesh, mesh["tp"])
     apply_recompute(model, ex.recompute)
     if compile_blocks:
         compile_model_blocks(model)
@@ -415,6 +425,7 @@ def parallelize(
         )
         notes += sync_notes
         optimizer = _zero_optimizer(ddp, make_optimizer, group) if ex.zero_optimizer else make_optimizer(ddp)
+        install_load_balancing(ddp, optimizer, loss_group(mesh), copies=ex.mesh.tp)
         return Parallelized(ddp, optimizer, notes, hierarchy)
 
     # FSDP2 over the 2-D (dp_replicate, dp_shard) mesh replicates across the first axis (hsdp,
@@ -423,6 +434,8 @@ def parallelize(
     dp_mesh = mesh["dp_replicate", "dp_shard"] if ex.fsdp_replicates else _dp_mesh(mesh)
     policy, policy_notes = fsdp_policy(str(ex.param_dtype), str(ex.compression), _dp_mesh(mesh).get_group())
     notes += policy_notes
+    if expert_mesh is not None:
+        shard_experts(model, expert_mesh, ex.fsdp_replicates, ex.reshard_after_forward, policy, ex.mesh.dp * ex.mesh.cp)
     for blocks, key in block_slots(model):
         fully_shard(blocks[key], mesh=dp_mesh, reshard_after_forward=ex.reshard_after_forward, mp_policy=policy)
     # The root holds the embeddings and the output head, so a tied weight has one owner.
@@ -430,4 +443,6 @@ def parallelize(
     if on_meta:
         assert materialize is not None
         materialize(model)  # sharded now: each rank allocates its own shards only
-    return Parallelized(model, make_optimizer(model), notes, keeps_gathered=not ex.reshard_after_forward)
+    optimizer = make_optimizer(model)
+    install_load_balancing(model, optimizer, loss_group(mesh), copies=ex.mesh.tp)
+    return Parallelized(model, optimizer, notes, keeps_gathered=not ex.reshard_after_forward)

@@ -30,6 +30,7 @@ from ..planning.resolve import on_device
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
 from .compile import eager_for_eval
+from .expert_parallel import expert_load
 from .hf_weights import check_weights, load_weights
 from .lr_schedule import lr_at
 from .materialize import allocate, build_on_meta, init_recipe, materialize
@@ -60,6 +61,9 @@ class StepResult:
     optimizer_s: float
     """Seconds of the update itself (unscale, clip, step, zero), timed on the device's stream:
     what the step timer subtracts to find exposed communication."""
+    expert_load: dict[str, Any] | None = None
+    """The step's tokens per expert and imbalance per MoE layer (`expert_parallel.expert_load`);
+    None for a dense model."""
 
 
 class Trainer:
@@ -311,7 +315,9 @@ class Trainer:
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
                           tokens_per_s=self.tokens_per_step / step_s,
                           grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                          optimizer_s=self._seconds(opt_start, opt_end))
+                          optimizer_s=self._seconds(opt_start, opt_end),
+                          expert_load=expert_load(self.par.modules if isinstance(self.par, Pipelined)
+                                                  else [self.par.model]))
 
     @torch.no_grad()
     def evaluate(self) -> float:

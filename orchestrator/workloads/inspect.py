@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..planning.model_math import RECOMPUTE_MODES
 from ..planning.model_spec import ModelSpec
+from .experts import expert_spec, is_moe_block
 from .hf import unpacked_sequences
 from .models import (
     apply_recompute,
@@ -74,7 +75,9 @@ def _fused_attention() -> Iterator[None]:
     original = F.scaled_dot_product_attention
 
     def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if attn_mask is not None:
+        # The flash kernel takes values as wide as the queries; narrower ones (DeepSeek's
+        # multi-head latent attention) run the unfused way here, as on a CPU.
+        if attn_mask is not None or v.shape[-1] != q.shape[-1]:
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         # The CPU kernel takes fewer key/value heads as they are (grouped-query attention), as a
@@ -87,6 +90,32 @@ def _fused_attention() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _grouped_mm_on_meta() -> Iterator[None]:
+    """On the meta device, a grouped matmul of rows [M, K] against experts [E, K, N] as rows
+    times one expert [K, N]: the same FLOPs, output and kept input, whatever the routing.
+    torch's meta kernel for it accepts bf16 alone (a CUDA kernel's rule), so a Hugging Face
+    MoE's experts, measured in fp32 here, would fail; real tensors keep the real kernel."""
+    originals = {"torch": torch._grouped_mm, "functional": getattr(F, "grouped_mm", None)}
+
+    def grouped(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if mat_a.is_meta and mat_a.dim() == 2 and mat_b.dim() == 3:
+                return mat_a @ mat_b[0]
+            return original(mat_a, mat_b, *args, **kwargs)
+        return run
+
+    torch._grouped_mm = grouped(originals["torch"])
+    if originals["functional"] is not None:
+        F.grouped_mm = grouped(originals["functional"])
+    try:
+        yield
+    finally:
+        torch._grouped_mm = originals["torch"]
+        if originals["functional"] is not None:
+            F.grouped_mm = originals["functional"]
 
 
 @dataclass(frozen=True)
@@ -133,7 +162,7 @@ def _tracked_run(model: nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     tracker = MemTracker()
     tracker.track_external(model)
     dev = ids.device
-    with _fused_attention(), _quiet_module_tracker(), unpacked_sequences(), tracker:
+    with _fused_attention(), _grouped_mm_on_meta(), _quiet_module_tracker(), unpacked_sequences(), tracker:
         loss = _loss_of(model, ids)
         kept = tracker.get_tracker_snapshot("current").get(dev, {}).get(_MemRefType.ACT, 0)
         loss.backward()
@@ -217,7 +246,16 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     distinct = len(list(model.parameters()))
     blocks = block_list(model)
     n = len(blocks)
-    block_params = sum(distinct_params(b) for b in blocks) // n
+    experts = expert_spec(model, blocks)
+    if experts is not None:
+        # An MoE block is the one measured (and `block_params` its): the MoE blocks go first,
+        # and a dense block's FLOPs follow from its parameters (below).
+        ordered = sorted(blocks, key=lambda b: not is_moe_block(b))
+        for i, b in enumerate(ordered):
+            blocks[i] = b
+        block_params = distinct_params(blocks[0])
+    else:
+        block_params = sum(distinct_params(b) for b in blocks) // n
     seen: dict[str, Any] = {"hidden": None}
 
     def pre(mod, args, kwargs):
@@ -239,7 +277,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     counter = FlopCounterMode(display=False)
     try:
-        with unpacked_sequences(), counter, norms:
+        with unpacked_sequences(), _grouped_mm_on_meta(), counter, norms:
             out = model(ids)
     except Exception as e:  # noqa: BLE001 - the user's forward, reported in one line
         raise ConfigError(f"key 'model.factory': the forward of {name} on token ids [1, {seq}] failed: "
@@ -276,10 +314,20 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
     block_flops = sum(counts[block_key].values()) if block_key else 0.0
     hidden = seen["hidden"] or 1
     heads, kv_heads = heads_of(model)
+    moe_blocks = experts.moe_blocks if experts is not None else n
+    other_flops = 0.0
+    root_params = params - n * block_params
+    if experts is not None:
+        # The blocks differ only in their feed-forward, all matmuls: 2 FLOPs per parameter a
+        # token runs. (Priced from parameters because routing on meta cannot count tokens;
+        # the MoE block itself was measured with its rows spread evenly over the experts.)
+        active = block_params - experts.inactive_params_per_block(hidden)
+        other_flops = (n - moe_blocks) * (block_flops + 2 * seq * (experts.dense_block_params - active))
+        root_params = params - moe_blocks * block_params - (n - moe_blocks) * experts.dense_block_params
     return ModelSpec(
         name=name, params=params, blocks=n, block_class=type(blocks[0]).__name__, block_params=block_params,
-        root_params=params - n * block_params, hidden=hidden, heads=heads or 1, kv_heads=kv_heads or 1,
-        vocab=vocab, seq=seq, forward_flops_per_token=(counter.get_total_flops() + (n - 1) * block_flops) / seq,
+        root_params=root_params, hidden=hidden, heads=heads or 1, kv_heads=kv_heads or 1, vocab=vocab, seq=seq,
+        forward_flops_per_token=(counter.get_total_flops() + (moe_blocks - 1) * block_flops + other_flops) / seq,
         block_forward_flops_per_token=block_flops / seq,
         block_activation_bytes={rc: a.block for rc, a in activations.items()},
         root_activation_bytes=activations["none"].root,
@@ -288,6 +336,7 @@ def model_spec(m: ModelConfig, model_fn: Callable[..., Any] | None = None, vocab
         tp_sharded_params=tp_sharded, tp_plan=plan is not None,
         tied_embeddings=named > distinct, pipeline_ends=pipeline_ends(model) is not None,
         tp_colwise_per_block=colwise, tp_rowwise_per_block=rowwise, fp32_norms_per_block=norms.count,
+        experts=experts,
     )
 
 
