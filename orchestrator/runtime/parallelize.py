@@ -50,6 +50,7 @@ from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.compile import compile_blocks as compile_model_blocks
+from orchestrator.runtime.context_parallel import apply_context_parallel, gradient_mesh, replicate_shard_mesh
 from orchestrator.runtime.tensor_parallel import apply_tensor_parallel
 from orchestrator.workloads.models import apply_recompute, block_slots
 
@@ -78,12 +79,9 @@ def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D mesh over all data-parallel ranks (the flattened dp_replicate x dp_shard)."""
-    if mesh["dp_shard"].size() == 1:
-        return mesh["dp_replicate"]
-    if mesh["dp_replicate"].size() == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    """A 1-D mesh over all ranks that average gradients: the data-parallel ranks and the cp ranks
+    sharing their sequences (the flattened dp_replicate x dp_shard x cp)."""
+    return gradient_mesh(mesh)
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -385,6 +383,8 @@ def parallelize(
         model.to(device)
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if ex.mesh.cp > 1:
+        apply_context_parallel(model, mesh["cp"])
     apply_recompute(model, ex.recompute)
     if compile_blocks:
         compile_model_blocks(model)
@@ -417,10 +417,10 @@ def parallelize(
         optimizer = _zero_optimizer(ddp, make_optimizer, group) if ex.zero_optimizer else make_optimizer(ddp)
         return Parallelized(ddp, optimizer, notes, hierarchy)
 
-    # FSDP2 over the 2-D (dp_replicate, dp_shard) mesh replicates across the first axis (hsdp,
+    # FSDP2 over the 2-D (dp_replicate, dp_shard x cp) mesh replicates across the first axis (hsdp,
     # and ddp with tensor parallelism, whose shard axis has size one); else it shards over all
     # data-parallel ranks as one flat group.
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if ex.fsdp_replicates else _dp_mesh(mesh)
+    dp_mesh = replicate_shard_mesh(mesh) if ex.fsdp_replicates else _dp_mesh(mesh)
     policy, policy_notes = fsdp_policy(str(ex.param_dtype), str(ex.compression), _dp_mesh(mesh).get_group())
     notes += policy_notes
     for blocks, key in block_slots(model):

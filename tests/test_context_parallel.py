@@ -1,0 +1,149 @@
+"""Context parallelism trains exactly like one process: head-tail sequence shards, their
+positions and labels, the all-gather-KV attention, and the runtime around them.
+
+The quick tests check the sharding's numbers in-process. One launch of 4 gloo ranks
+(tests/_cp_parity_worker.py) trains the built-in GPT and Llama at cp=2 and cp=4, with zero3,
+DDP, HSDP and tp=2, and compares each with one process on the same global batches: loss and
+clipped gradient norm at every step, the whole first gradients, and a resume from a checkpoint
+written under another cp.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import _cp_parity_worker as cw
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from orchestrator.errors import PlanError
+from orchestrator.planning.sequence_split import sequence_split_problem
+from orchestrator.runtime.context_parallel import apply_context_parallel, chunk_positions, gathered_order
+from orchestrator.workloads.sequence import WHOLE_SEQUENCE
+
+CASES = {c.name: c for c in cw.CASES}
+
+
+def test_each_rank_keeps_one_early_and_one_late_chunk() -> None:
+    # 16 tokens, cp=2: chunks of 4, rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert chunk_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert chunk_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # cp=4: chunks of 2, rank r keeps chunks r and 7 - r.
+    assert [chunk_positions(16, 4, r).tolist() for r in range(4)] == [
+        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # Under a causal mask the work of a query is its position + 1: every rank gets the same.
+    work = [int((chunk_positions(64, 4, r) + 1).sum()) for r in range(4)]
+    assert work == [520] * 4
+
+
+def test_the_gathered_shards_go_back_in_sequence_order() -> None:
+    gathered = torch.cat([chunk_positions(16, 4, r) for r in range(4)])
+    assert gathered[gathered_order(16, 4)].tolist() == list(range(16))
+
+
+def test_labels_shifted_before_sharding_stay_right_at_chunk_boundaries() -> None:
+    tokens = torch.arange(100, 117).unsqueeze(0)  # one sequence of 17 tokens: 16 inputs, 16 labels
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    for rank in range(2):
+        held = chunk_positions(16, 2, rank)
+        # Every label is the token after its input, the last of each chunk included (its next
+        # token lies in a chunk another rank holds, or past the sequence's inputs).
+        assert (y[:, held] == x[:, held] + 1).all()
+        assert y[0, held].tolist() == [101 + int(p) for p in held]
+
+
+def test_the_whole_sequence_layout_is_plain_causal_attention() -> None:
+    assert WHOLE_SEQUENCE.positions(5, torch.device("cpu")).tolist() == [0, 1, 2, 3, 4]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    scores = (q @ k.transpose(-1, -2) / 2).masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf"))
+    assert torch.allclose(WHOLE_SEQUENCE.attend(q, k, v), scores.softmax(-1) @ v, atol=1e-6)
+
+
+@pytest.mark.parametrize(("cp", "seq", "problem"), [
+    (1, 17, None),
+    (2, 16, None),
+    (4, 16, None),
+    (3, 16, "cp=3 needs a sequence length divisible by 2 x cp = 6"),
+    (16, 16, "cp=16 needs a sequence length divisible by 2 x cp = 32"),
+    (0, 16, "cp must be at least 1, got 0"),
+])
+def test_a_sequence_allows_the_degrees_that_halve_it_evenly(cp, seq, problem) -> None:
+    got = sequence_split_problem(cp, seq)
+    assert (got is None) if problem is None else got.startswith(problem)
+    if problem is None:
+        held = torch.cat([chunk_positions(seq, cp, r) for r in range(cp)])
+        assert sorted(held.tolist()) == list(range(seq))
+    else:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            chunk_positions(seq, cp, 0)
+
+
+class _PlainAttention(nn.Module):
+    """Attention that calls SDPA itself: it cannot see the other ranks' keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = _PlainAttention()
+        self.proj = nn.Linear(4, 4)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+
+
+class _FakeMesh:
+    """What apply_context_parallel asks of the cp mesh before it sets anything: its size."""
+
+    def size(self) -> int:
+        return 2
+
+
+def test_attention_without_the_hook_is_refused_naming_the_module() -> None:
+    with pytest.raises(PlanError, match=re.escape(
+            "context parallelism (cp=2) needs every block's attention to declare the sequence hook "
+            "'sequence_layout' (docs/models.md); _PlainAttention (block 0's self_attn) declares none; use cp=1")):
+        apply_context_parallel(_Model(), _FakeMesh())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("cp_parity")
+    out = root / "results.json"
+    mp.spawn(cw.run_rank, args=(str(root / "init"), str(out), list(CASES)), nprocs=cw.WORLD, join=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_context_parallel_trains_like_one_process(results) -> None:
+    assert set(results) == set(CASES)
+    for name, got in results.items():
+        ref = got["reference"]
+        # Parity means something only where the trajectory moves and clipping scales updates.
+        assert ref["losses"][0] - ref["losses"][-1] > 0.3 and min(ref["norms"]) > cw.MAX_NORM
+        assert len(got["losses"]) == cw.STEPS
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) <= 1e-5, f"{name} step {step}: loss {a} vs one process {b}"
+        for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+            assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: grad norm {a} vs one process {b}"
+        assert got["first_grad_error"] <= 1e-6, f"{name}: first gradients differ by {got['first_grad_error']}"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_exactly_under_another_cp(results) -> None:
+    # cp=2 -> cp=1 and cp=1 -> cp=4 for the GPT; cp=2 x tp=2 -> cp=4 for Llama.
+    resumed = {n: c for n, c in CASES.items() if c.resume_from}
+    assert {CASES[c.resume_from].ex.mesh.cp for c in resumed.values()} == {1, 2}
+    for name in resumed:
+        got = results[name]
+        assert abs(got["resumed_loss"] - got["reference"]["losses"][-1]) <= 1e-5, name
