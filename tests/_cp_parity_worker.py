@@ -8,15 +8,19 @@ data-parallel share of each micro-batch and then its head-tail chunks of every s
 the loss and clipped gradient norm of every step, the largest difference of its first step's
 whole gradients from one process's, and, where asked, the loss of a last step taken after a DCP
 checkpoint written under another cp was loaded into a freshly initialised replica.
+
+The same world then runs the real `Trainer` (data, step, loss, evaluation, checkpoint) under a
+cp=1 plan and a cp=2 plan of each model: the same losses, and each resumes the other's checkpoint.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -24,10 +28,16 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from orchestrator.config import load_config
+from orchestrator.control.preflight import measure_model
+from orchestrator.planning import Plan, plan_job
 from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.resolve import Execution, resolve
+from orchestrator.runtime import checkpoint
 from orchestrator.runtime.context_parallel import ZigzagShard
 from orchestrator.runtime.parallelize import build_mesh, data_parallel_rank, parallelize
+from orchestrator.runtime.trainer import Trainer
+from orchestrator.topology.model import ClusterTopology, cpu_node
 from orchestrator.workloads.gpt import GPT, GPTConfig, param_groups
 from orchestrator.workloads.llama import build as build_llama
 from orchestrator.workloads.models import logits_of
@@ -193,6 +203,61 @@ def _run_case(case: Case, ckpt_root: str) -> dict:
             "reference": {"losses": ref["losses"], "norms": ref["norms"]}}
 
 
+TRAINER_STEPS = 3
+TRAINER_CHECKPOINT_AT = 2
+TRAINER_COMMON = ["train.global_batch_size=8", f"train.max_steps={TRAINER_STEPS}", "train.warmup_steps=1",
+                  "train.lr=1e-2", "train.grad_clip=0.5", "train.eval_iters=1", "train.precision=fp32",
+                  "parallel.recompute=none", "parallel.compression=none", "parallel.sync=flat",
+                  "checkpoint.async_save=false", "parallel.strategy=zero3", "parallel.tp=1", "parallel.pp=1",
+                  "parallel.dp_shard=4", "train.micro_batch_size=1", f"cluster.num_workers={WORLD}"]
+TRAINER_MODELS = {
+    "gpt": ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", f"model.block_size={SEQ}"],
+    "llama": ["model.factory=orchestrator.workloads.llama:build", "model.args.dim=32", "model.args.n_layers=2",
+              "model.args.n_heads=4", "model.args.n_kv_heads=2", "model.args.ffn_dim=64",
+              "model.args.vocab_size=256", f"model.block_size={SEQ}"],
+}
+TRAINER_CPS = (1, 2)
+
+
+def _trainer(model: str, cp: int) -> Trainer:
+    """The Trainer of the zero3 plan over 4 ranks, its dp_shard x cp split as dp_shard=4/cp x cp
+    (each data-parallel rank then takes cp times the samples, in micro-batches cp times larger)."""
+    cfg = load_config(None, [*TRAINER_MODELS[model], *TRAINER_COMMON])
+    plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(WORLD)]), measure_model(cfg))
+    mesh = replace(plan.mesh, dp_shard=plan.mesh.dp_shard // cp, cp=cp)
+    plan = replace(plan, execution=replace(plan.execution, mesh=mesh), micro_batch_size=plan.micro_batch_size * cp)
+    return Trainer(cfg, Plan.from_dict(plan.to_dict()), torch.device("cpu"))
+
+
+def _trainer_runs(root: str) -> dict:
+    """{"model cp=N": {"loss S": ..., "val": ...}} of a whole run, and {"model cp=N<cp=M": ...}
+    of the steps after the checkpoint cp=M wrote, resumed under cp=N."""
+    out: dict = {}
+    for model in TRAINER_MODELS:
+        for cp in TRAINER_CPS:
+            tr = _trainer(model, cp)
+            tr.start()
+            losses = {}
+            for step in range(TRAINER_STEPS):
+                losses[f"loss {step}"] = tr.train_step(step).loss
+                if step + 1 == TRAINER_CHECKPOINT_AT:
+                    checkpoint.save(os.path.join(root, f"{model}-cp{cp}"), TRAINER_CHECKPOINT_AT, tr.state_dict(),
+                                    tr.checkpoint_meta(), keep_last=1)
+            losses["val"] = tr.evaluate()
+            out[f"{model} cp={cp}"] = losses
+            del tr
+            gc.collect()
+        for cp, other in zip(TRAINER_CPS, reversed(TRAINER_CPS)):
+            tr = _trainer(model, cp)
+            start = tr.start(os.path.join(root, f"{model}-cp{other}", f"step_{TRAINER_CHECKPOINT_AT:08d}"))
+            losses = {f"loss {step}": tr.train_step(step).loss for step in range(start, TRAINER_STEPS)}
+            losses["val"] = tr.evaluate()
+            out[f"{model} cp={cp}<cp={other}"] = losses
+            del tr
+            gc.collect()
+    return out
+
+
 def run_rank(rank: int, init_file: str, out_file: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -206,6 +271,7 @@ def run_rank(rank: int, init_file: str, out_file: str, names: list[str]) -> None
                 if case.name in names:
                     results[case.name] = _run_case(case, ckpt_root[0])
                 dist.barrier()
+            results["trainer"] = _trainer_runs(ckpt_root[0])
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(results, f)

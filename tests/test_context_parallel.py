@@ -126,8 +126,9 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_context_parallel_trains_like_one_process(results) -> None:
-    assert set(results) == set(CASES)
-    for name, got in results.items():
+    assert set(results) == {*CASES, "trainer"}
+    for name in CASES:
+        got = results[name]
         ref = got["reference"]
         # Parity means something only where the trajectory moves and clipping scales updates.
         assert ref["losses"][0] - ref["losses"][-1] > 0.3 and min(ref["norms"]) > cw.MAX_NORM
@@ -147,3 +148,19 @@ def test_a_checkpoint_resumes_exactly_under_another_cp(results) -> None:
     for name in resumed:
         got = results[name]
         assert abs(got["resumed_loss"] - got["reference"]["losses"][-1]) <= 1e-5, name
+
+
+@pytest.mark.slow
+def test_the_trainer_under_cp_runs_and_resumes_as_under_cp_1(results) -> None:
+    runs = results["trainer"]
+    for model in cw.TRAINER_MODELS:
+        whole, split = runs[f"{model} cp=1"], runs[f"{model} cp=2"]
+        assert set(whole) == {*(f"loss {s}" for s in range(cw.TRAINER_STEPS)), "val"}
+        for key in whole:
+            assert abs(whole[key] - split[key]) <= 1e-5, f"{model} {key}: cp=2 {split[key]} vs cp=1 {whole[key]}"
+        # Each resumes the other's checkpoint and goes on as the run that wrote it would have.
+        for cp, other in ((1, 2), (2, 1)):
+            resumed, written = runs[f"{model} cp={cp}<cp={other}"], runs[f"{model} cp={other}"]
+            assert set(resumed) == {*(f"loss {s}" for s in range(cw.TRAINER_CHECKPOINT_AT, cw.TRAINER_STEPS)), "val"}
+            for key, value in resumed.items():
+                assert abs(value - written[key]) <= 1e-5, f"{model} cp={cp} resuming cp={other}: {key}"
