@@ -19,7 +19,9 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from orchestrator.errors import PlanError
+from orchestrator.config import load_config
+from orchestrator.control.preflight import check_context_parallel
+from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning.sequence_split import sequence_split_problem
 from orchestrator.runtime.context_parallel import apply_context_parallel, chunk_positions, gathered_order
 from orchestrator.workloads.sequence import WHOLE_SEQUENCE
@@ -164,3 +166,18 @@ def test_the_trainer_under_cp_runs_and_resumes_as_under_cp_1(results) -> None:
             assert set(resumed) == {*(f"loss {s}" for s in range(cw.TRAINER_CHECKPOINT_AT, cw.TRAINER_STEPS)), "val"}
             for key, value in resumed.items():
                 assert abs(value - written[key]) <= 1e-5, f"{model} cp={cp} resuming cp={other}: {key}"
+
+
+def test_the_driver_refuses_a_cp_the_sequence_or_the_model_cannot_take_before_any_worker() -> None:
+    cfg = load_config(None, ["model.block_size=18"])
+    with pytest.raises(ConfigError, match=re.escape(
+            "key 'parallel.cp': cp=2 needs a sequence length divisible by 2 x cp = 4 (each rank holds 2 of 2 x cp "
+            "equal chunks); model.block_size is 18")):
+        check_context_parallel(cfg, 2)
+    check_context_parallel(cfg, 1)  # one rank holds the whole sequence, whatever its length
+    cfg = load_config(None, ["model.block_size=16"])
+    with pytest.raises(ConfigError, match=re.escape("key 'parallel.cp': context parallelism (cp=4) needs every "
+                                                    "block's attention to declare the sequence hook")):
+        check_context_parallel(cfg, 4, model_fn=_Model)
+    for factory in ("orchestrator.workloads.gpt:build", "orchestrator.workloads.llama:build"):
+        check_context_parallel(load_config(None, ["model.block_size=16", f"model.factory={factory}"]), 4)

@@ -94,18 +94,34 @@ class ZigzagShard(WholeSequence):
                                               enable_gqa=enable_gqa)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ZigzagShard:
-    """Give every module of `model` that declares the sequence hook this rank's share of the
-    sequence; PlanError naming the first block with no module declaring it (its attention
-    would see only this rank's chunks: silently wrong)."""
+def unhooked_block(model: nn.Module) -> str | None:
+    """The first block of `model` with no module declaring the sequence hook, named by its
+    attention (or itself where none is found), e.g. "_PlainAttention (block 0's self_attn)"; None
+    when every block declares it. Such a block's attention would see only this rank's chunks."""
     for blocks, key in block_slots(model):
         block = blocks[key]
         if not any(_declares_hook(m) for m in block.modules()):
             found = attention_of(block)
-            where = f"{type(found[1]).__name__} (block {key}'s {found[0]})" if found else \
+            return f"{type(found[1]).__name__} (block {key}'s {found[0]})" if found else \
                 f"{type(block).__name__} (block {key})"
-            raise PlanError(f"context parallelism (cp={cp_mesh.size()}) needs every block's attention to declare "
-                            f"the sequence hook '{HOOK}' (docs/models.md); {where} declares none; use cp=1")
+    return None
+
+
+def unshardable_message(model: nn.Module, cp: int) -> str | None:
+    """Why `model` cannot run at context-parallel degree `cp`, in one line; None when it can."""
+    where = unhooked_block(model)
+    if where is None:
+        return None
+    return (f"context parallelism (cp={cp}) needs every block's attention to declare the sequence hook '{HOOK}' "
+            f"(docs/models.md); {where} declares none; use cp=1")
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ZigzagShard:
+    """Give every module of `model` that declares the sequence hook this rank's share of the
+    sequence; PlanError where a block declares none (`unshardable_message`)."""
+    problem = unshardable_message(model, cp_mesh.size())
+    if problem:
+        raise PlanError(problem)
     shard = ZigzagShard(cp_mesh)
     for module in model.modules():
         if _declares_hook(module):
