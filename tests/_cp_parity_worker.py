@@ -1,5 +1,5 @@
-"""Context-parallel parity harness: the built-in GPT and Llama trained by one process and by 4
-gloo ranks whose cp groups share every sequence.
+"""Context-parallel parity harness: the built-in GPT and Llama, and a Hugging Face Llama, trained
+by one process and by 4 gloo ranks whose cp groups share every sequence.
 
 Kept out of the test module so spawned ranks import it without importing pytest. Every case
 starts from the same seed and the same global batches as one process; a rank takes its
@@ -50,10 +50,21 @@ GLOBAL_MICRO_BATCH = 4
 MAX_NORM = 0.5
 LR = 1e-2
 
+def _hf_llama() -> torch.nn.Module:
+    """A tiny Hugging Face Llama: its attention goes through transformers' registry under cp."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                   use_cache=False)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
 TIED = {"wte.weight": "lm_head.weight"}
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt": lambda: GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=SEQ)),
     "llama": lambda: build_llama(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=VOCAB),
+    "hf_llama": _hf_llama,
 }
 
 
@@ -83,6 +94,7 @@ CASES = [
     Case("llama_tp_cp2", "llama", _ex("zero3", Mesh(cp=2, tp=2)), accum=1, checkpoint=True),
     Case("llama_zero3_cp2", "llama", _ex("zero3", Mesh(dp_shard=2, cp=2)), accum=1),
     Case("llama_cp4", "llama", _ex("zero3", Mesh(cp=4)), accum=1, resume_from="llama_tp_cp2"),
+    Case("hf_llama_cp2", "hf_llama", _ex("zero3", Mesh(dp_shard=2, cp=2)), accum=1),
 ]
 
 

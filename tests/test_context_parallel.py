@@ -3,13 +3,15 @@ positions and labels, the all-gather-KV attention, and the runtime around them.
 
 The quick tests check the sharding's numbers in-process. One launch of 4 gloo ranks
 (tests/_cp_parity_worker.py) trains the built-in GPT and Llama at cp=2 and cp=4, with zero3,
-DDP, HSDP and tp=2, and compares each with one process on the same global batches: loss and
-clipped gradient norm at every step, the whole first gradients, and a resume from a checkpoint
-written under another cp.
+DDP, HSDP and tp=2, and a Hugging Face Llama at cp=2 through transformers' attention registry,
+and compares each with one process on the same global batches: loss and clipped gradient norm
+at every step, the whole first gradients, and a resume from a checkpoint written under another
+cp; then the real Trainer under cp=1 and cp=2, each resuming the other's checkpoint.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 
@@ -23,10 +25,17 @@ from orchestrator.config import load_config
 from orchestrator.control.preflight import check_context_parallel
 from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning.sequence_split import sequence_split_problem
-from orchestrator.runtime.context_parallel import apply_context_parallel, chunk_positions, gathered_order
+from orchestrator.runtime.context_parallel import (
+    apply_context_parallel,
+    chunk_positions,
+    gathered_order,
+    prepare_for_context_parallel,
+)
+from orchestrator.workloads.hf_sequence import ATTENTION_NAME
 from orchestrator.workloads.sequence import WHOLE_SEQUENCE
 
-CASES = {c.name: c for c in cw.CASES}
+# The Hugging Face case needs transformers (the `hf` extra, in the dev install).
+CASES = {c.name: c for c in cw.CASES if not c.model.startswith("hf") or importlib.util.find_spec("transformers")}
 
 
 def test_each_rank_keeps_one_early_and_one_late_chunk() -> None:
@@ -181,3 +190,21 @@ def test_the_driver_refuses_a_cp_the_sequence_or_the_model_cannot_take_before_an
         check_context_parallel(cfg, 4, model_fn=_Model)
     for factory in ("orchestrator.workloads.gpt:build", "orchestrator.workloads.llama:build"):
         check_context_parallel(load_config(None, ["model.block_size=16", f"model.factory={factory}"]), 4)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_whose_attention_cannot_be_replaced_is_refused() -> None:
+    transformers = pytest.importorskip("transformers")
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    with torch.device("meta"):
+        windowed = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(**shape,
+                                                                                            sliding_window=8))
+        plain = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**shape))
+    assert prepare_for_context_parallel(windowed, 2) == (
+        "context parallelism (cp=2) replaces a Hugging Face model's attention through transformers' "
+        "attention-function registry; MistralForCausalLM attends in a sliding window (8 tokens); use cp=1")
+    assert windowed.config._attn_implementation != ATTENTION_NAME  # left as it was
+    assert prepare_for_context_parallel(plain, 2) is None
+    assert plain.config._attn_implementation == ATTENTION_NAME
+    assert plain.model.layers[1].self_attn.sequence_layout is WHOLE_SEQUENCE

@@ -78,12 +78,12 @@ def check_context_parallel(cfg: JobConfig, cp: int, model_fn: Callable[..., Any]
     if problem is None and cp > 1:
         import torch
 
-        from ..runtime.context_parallel import unshardable_message
+        from ..runtime.context_parallel import prepare_for_context_parallel
         from ..workloads.models import build_model
 
         with torch.device("meta"):
             model = build_model(cfg.model, model_fn)
-        problem = unshardable_message(model, cp)
+        problem = prepare_for_context_parallel(model, cp)
     if problem:
         raise ConfigError(f"key 'parallel.cp': {problem}")
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from orchestrator.errors import PlanError
 from orchestrator.planning.sequence_split import sequence_split_problem
+from orchestrator.workloads.hf_sequence import declare_sequence_hooks, is_hugging_face
 from orchestrator.workloads.models import attention_of, block_slots
 from orchestrator.workloads.sequence import HOOK, WholeSequence
 
@@ -78,7 +79,7 @@ class ZigzagShard(WholeSequence):
         return tokens[:, chunk_positions(tokens.shape[1], self.size, self.rank).to(tokens.device)]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-               enable_gqa: bool = False) -> torch.Tensor:
+               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         """Causal attention of this rank's queries q [B, H, T/cp, D] over the whole sequence's
         keys and values, gathered from the group's k, v [B, H_kv, T/cp, D]."""
         local = q.shape[2]
@@ -91,7 +92,7 @@ class ZigzagShard(WholeSequence):
         query_positions = self.positions(local, q.device)
         causal = query_positions[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=causal, dropout_p=dropout_p,
-                                              enable_gqa=enable_gqa)
+                                              scale=scale, enable_gqa=enable_gqa)
 
 
 def unhooked_block(model: nn.Module) -> str | None:
@@ -107,8 +108,15 @@ def unhooked_block(model: nn.Module) -> str | None:
     return None
 
 
-def unshardable_message(model: nn.Module, cp: int) -> str | None:
-    """Why `model` cannot run at context-parallel degree `cp`, in one line; None when it can."""
+def prepare_for_context_parallel(model: nn.Module, cp: int) -> str | None:
+    """Opt `model` in where the runtime can (a Hugging Face decoder, through transformers'
+    attention-function registry: `workloads/hf_sequence.py`) and say in one line why it cannot
+    run at context-parallel degree `cp`; None when it can."""
+    if is_hugging_face(model):
+        why = declare_sequence_hooks(model)
+        if why:
+            return (f"context parallelism (cp={cp}) replaces a Hugging Face model's attention through transformers' "
+                    f"attention-function registry; {why}; use cp=1")
     where = unhooked_block(model)
     if where is None:
         return None
@@ -118,8 +126,8 @@ def unshardable_message(model: nn.Module, cp: int) -> str | None:
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ZigzagShard:
     """Give every module of `model` that declares the sequence hook this rank's share of the
-    sequence; PlanError where a block declares none (`unshardable_message`)."""
-    problem = unshardable_message(model, cp_mesh.size())
+    sequence; PlanError where the model cannot run so (`prepare_for_context_parallel`)."""
+    problem = prepare_for_context_parallel(model, cp_mesh.size())
     if problem:
         raise PlanError(problem)
     shard = ZigzagShard(cp_mesh)

@@ -34,10 +34,11 @@ class WholeSequence:
         return torch.arange(length, device=device)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
-               enable_gqa: bool = False) -> torch.Tensor:
+               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         """Causal attention of q [B, H, T, D] over k, v [B, H_kv, T, D] (grouped-query where
-        `enable_gqa`): ``scaled_dot_product_attention`` with ``is_causal``."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+        `enable_gqa`; `scale` None for 1/sqrt(D)): ``scaled_dot_product_attention`` with ``is_causal``."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=enable_gqa)
 
 
 WHOLE_SEQUENCE = WholeSequence()
