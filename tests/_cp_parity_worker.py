@@ -10,7 +10,8 @@ whole gradients from one process's, and, where asked, the loss of a last step ta
 checkpoint written under another cp was loaded into a freshly initialised replica.
 
 The same world then runs the real `Trainer` (data, step, loss, evaluation, checkpoint) under a
-cp=1 plan and a cp=2 plan of each model: the same losses, and each resumes the other's checkpoint.
+cp=1 plan and a cp=2 plan of each model: the same losses, and each resumes the other's checkpoint;
+and under pp=2 x cp=2, the same losses again.
 """
 
 from __future__ import annotations
@@ -231,10 +232,12 @@ TRAINER_MODELS = {
 TRAINER_CPS = (1, 2)
 
 
-def _trainer(model: str, cp: int) -> Trainer:
-    """The Trainer of the zero3 plan over 4 ranks, its dp_shard x cp split as dp_shard=4/cp x cp
-    (each data-parallel rank then takes cp times the samples, in micro-batches cp times larger)."""
-    cfg = load_config(None, [*TRAINER_MODELS[model], *TRAINER_COMMON])
+def _trainer(model: str, cp: int, pp: int = 1) -> Trainer:
+    """The Trainer of the zero3 plan over 4 ranks in `pp` stages (1F1B), its dp_shard x cp split
+    as dp_shard=4/pp/cp x cp (each data-parallel rank then takes cp times the samples, in
+    micro-batches cp times larger)."""
+    pipeline = [f"parallel.pp={pp}", f"parallel.dp_shard={WORLD // pp}", "parallel.pp_schedule=1f1b"] if pp > 1 else []
+    cfg = load_config(None, [*TRAINER_MODELS[model], *TRAINER_COMMON, *pipeline])
     plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(WORLD)]), measure_model(cfg))
     mesh = replace(plan.mesh, dp_shard=plan.mesh.dp_shard // cp, cp=cp)
     plan = replace(plan, execution=replace(plan.execution, mesh=mesh), micro_batch_size=plan.micro_batch_size * cp)
@@ -242,10 +245,17 @@ def _trainer(model: str, cp: int) -> Trainer:
 
 
 def _trainer_runs(root: str) -> dict:
-    """{"model cp=N": {"loss S": ..., "val": ...}} of a whole run, and {"model cp=N<cp=M": ...}
-    of the steps after the checkpoint cp=M wrote, resumed under cp=N."""
+    """{"model cp=N": {"loss S": ..., "val": ...}} of a whole run, {"model cp=N<cp=M": ...} of the
+    steps after the checkpoint cp=M wrote, resumed under cp=N, and {"model pp=2 cp=2": ...} of a
+    whole run in two pipeline stages."""
     out: dict = {}
     for model in TRAINER_MODELS:
+        tr = _trainer(model, cp=2, pp=2)
+        tr.start()
+        out[f"{model} pp=2 cp=2"] = {f"loss {step}": tr.train_step(step).loss for step in range(TRAINER_STEPS)}
+        out[f"{model} pp=2 cp=2"]["val"] = tr.evaluate()
+        del tr
+        gc.collect()
         for cp in TRAINER_CPS:
             tr = _trainer(model, cp)
             tr.start()

@@ -37,6 +37,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "activation_memory": ("rows", "max_error", "goal"),
     "checkpoint_cost": ("params_m", "steps", "sync", "async"),
     "compile": ("eager_s", "compiled_s", "speedup", "cold_compile_s", "warm_compile_s"),
+    "context_parallel": ("seq", "model", "rows"),
     "rehearsal": ("cases", "max_memory_error", "max_bytes_error", "goal"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),
     "cost_model_shaped": ("shapings", "mean_error", "goal"),

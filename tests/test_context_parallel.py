@@ -6,7 +6,7 @@ The quick tests check the sharding's numbers in-process. One launch of 4 gloo ra
 DDP, HSDP and tp=2, and a Hugging Face Llama at cp=2 through transformers' attention registry,
 and compares each with one process on the same global batches: loss and clipped gradient norm
 at every step, the whole first gradients, and a resume from a checkpoint written under another
-cp; then the real Trainer under cp=1 and cp=2, each resuming the other's checkpoint.
+cp; then the real Trainer under cp=1, cp=2 and pp=2 x cp=2, each cp resuming the other's checkpoint.
 """
 
 from __future__ import annotations
@@ -165,10 +165,12 @@ def test_a_checkpoint_resumes_exactly_under_another_cp(results) -> None:
 def test_the_trainer_under_cp_runs_and_resumes_as_under_cp_1(results) -> None:
     runs = results["trainer"]
     for model in cw.TRAINER_MODELS:
-        whole, split = runs[f"{model} cp=1"], runs[f"{model} cp=2"]
+        whole = runs[f"{model} cp=1"]
         assert set(whole) == {*(f"loss {s}" for s in range(cw.TRAINER_STEPS)), "val"}
-        for key in whole:
-            assert abs(whole[key] - split[key]) <= 1e-5, f"{model} {key}: cp=2 {split[key]} vs cp=1 {whole[key]}"
+        for split in ("cp=2", "pp=2 cp=2"):
+            got = runs[f"{model} {split}"]
+            for key in whole:
+                assert abs(whole[key] - got[key]) <= 1e-5, f"{model} {key}: {split} {got[key]} vs cp=1 {whole[key]}"
         # Each resumes the other's checkpoint and goes on as the run that wrote it would have.
         for cp, other in ((1, 2), (2, 1)):
             resumed, written = runs[f"{model} cp={cp}<cp={other}"], runs[f"{model} cp={other}"]

@@ -102,7 +102,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
-        self.sequence_layout = WHOLE_SEQUENCE  # the learned positions' share of the sequence
+        # The hook on the module that reads positions: a pipeline stage holds it, not the root.
+        self.wpe.sequence_layout = WHOLE_SEQUENCE
         for name, module in self.named_modules():
             self.init_module(module, name)
 
@@ -128,7 +129,7 @@ class GPT(nn.Module):
     pipeline_tied = ("wte.weight", "lm_head.weight")
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = self.sequence_layout.positions(idx.shape[1], idx.device)
+        pos = self.wpe.sequence_layout.positions(idx.shape[1], idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A model whose attention calls the registry (``ALL_ATTENTION_FUNCTIONS``: Llama, Mistral, Qwen2
 and their kin) attends through a function registered under :data:`ATTENTION_NAME` once its
 config's attention implementation names it; the function attends through the calling module's
-``sequence_layout`` (`workloads/sequence.py`), as the built-in models do. The root model declares
-the hook too, for the position ids its rotary embedding reads. With no registered mask function
+``sequence_layout`` (`workloads/sequence.py`), as the built-in models do. The rotary embedding
+declares the hook too, and takes the position ids of the tokens the rank holds from it (every
+pipeline stage holds that module, as it holds its attention). With no registered mask function
 under that name, transformers builds no mask: the layout makes the causal mask of the positions
 its queries hold.
 
@@ -46,6 +47,8 @@ def _why_not(model: nn.Module) -> str | None:
         return f"{type(model).__name__} attends in a sliding window ({config.sliding_window} tokens)"
     if getattr(config, "attn_logit_softcapping", None):
         return f"{type(model).__name__} soft-caps its attention logits"
+    if not isinstance(getattr(model.base_model, "rotary_emb", None), nn.Module):
+        return f"{type(model).__name__} has no rotary_emb to take its positions"
     for layer in layers:
         attention = getattr(layer, "self_attn", None)
         if attention is None or not getattr(attention, "is_causal", False):
@@ -65,20 +68,21 @@ def declare_sequence_hooks(model: nn.Module) -> str | None:
     model.config._attn_implementation = ATTENTION_NAME
     for layer in model.base_model.layers:
         setattr(layer.self_attn, HOOK, WHOLE_SEQUENCE)
-    setattr(model, HOOK, WHOLE_SEQUENCE)
-    model.register_forward_pre_hook(_position_ids, with_kwargs=True)
+    rotary = model.base_model.rotary_emb
+    setattr(rotary, HOOK, WHOLE_SEQUENCE)
+    rotary.register_forward_pre_hook(_position_ids, with_kwargs=True)
     return None
 
 
-def _position_ids(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-    """The positions of the tokens this rank holds, as the position ids rotary embeddings read."""
-    if kwargs.get("position_ids") is not None:
-        return None
-    ids = args[0] if args else kwargs.get("input_ids")
-    if ids is None:
-        return None
-    positions = getattr(model, HOOK).positions(ids.shape[1], ids.device)
-    return args, {**kwargs, "position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)}
+def _position_ids(rotary: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The rotary embedding's inputs with the positions of the tokens this rank holds for its
+    position ids (given by position or by name: transformers numbers a rank's tokens 0 to T-1,
+    as if they were the whole sequence)."""
+    given = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+    positions = getattr(rotary, HOOK).positions(given.shape[-1], given.device).expand_as(given)
+    if "position_ids" in kwargs:
+        return args, {**kwargs, "position_ids": positions}
+    return (args[0], positions, *args[2:]), kwargs
 
 
 def is_hugging_face(model: nn.Module) -> bool:
