@@ -210,3 +210,33 @@ def test_a_hugging_face_model_whose_attention_cannot_be_replaced_is_refused() ->
     assert prepare_for_context_parallel(plain, 2) is None
     assert plain.config._attn_implementation == ATTENTION_NAME
     assert plain.model.layers[1].self_attn.sequence_layout is WHOLE_SEQUENCE
+
+
+def test_model_states_shard_over_dp_shard_x_cp_and_gradients_average_over_dp_x_cp() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from orchestrator.planning.mesh import Mesh
+    from orchestrator.runtime.context_parallel import gradient_mesh, replicate_shard_mesh
+    from orchestrator.runtime.parallelize import build_mesh
+
+    # rank = r*8 + s*4 + c*2 + t on (dp_replicate=2, dp_shard=2, cp=2, tp=2): rank 0's groups.
+    dist.init_process_group("fake", rank=0, world_size=16, store=FakeStore())
+    try:
+        mesh = build_mesh(Mesh(dp_replicate=2, dp_shard=2, cp=2, tp=2), "cpu")
+        assert mesh["cp"].mesh.tolist() == [0, 2]  # cp groups are ranks tp apart
+        assert gradient_mesh(mesh).mesh.tolist() == [0, 2, 4, 6, 8, 10, 12, 14]
+        assert replicate_shard_mesh(mesh).mesh.tolist() == [[0, 2, 4, 6], [8, 10, 12, 14]]
+        assert replicate_shard_mesh(mesh).mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        mesh = build_mesh(Mesh(dp_replicate=2, cp=2), "cpu")
+        assert gradient_mesh(mesh).mesh.tolist() == [0, 1, 2, 3]
+        assert replicate_shard_mesh(mesh).mesh.tolist() == [[0, 1], [2, 3]]
+        # Without cp, the data-parallel mesh is the one it always was.
+        mesh = build_mesh(Mesh(dp_replicate=2, dp_shard=2), "cpu")
+        assert gradient_mesh(mesh).mesh_dim_names == ("dp",)
+    finally:
+        dist.destroy_process_group()

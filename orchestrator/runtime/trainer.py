@@ -292,8 +292,10 @@ class Trainer:
         t = self.cfg.train
         t0 = time.perf_counter()
         # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run
-        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry.
-        torch.manual_seed(hash((t.seed, step, self.dp_rank)) & 0x7FFF_FFFF)
+        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry. The cp
+        # ranks of a sequence hold different tokens of it, so each draws masks of its own.
+        key = (t.seed, step, self.dp_rank) + ((self.sequence.rank,) if self.sequence is not None else ())
+        torch.manual_seed(hash(key) & 0x7FFF_FFFF)
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
         for group in self.par.optimizer.param_groups:
             group["lr"] = lr
