@@ -144,11 +144,15 @@ def test_context_parallel_trains_like_one_process(results) -> None:
         # Parity means something only where the trajectory moves and clipping scales updates.
         assert ref["losses"][0] - ref["losses"][-1] > 0.3 and min(ref["norms"]) > cw.MAX_NORM
         assert len(got["losses"]) == cw.STEPS
+        case = CASES[name]
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
-            assert abs(a - b) <= 1e-5, f"{name} step {step}: loss {a} vs one process {b}"
+            assert abs(a - b) <= case.loss_tolerance, f"{name} step {step}: loss {a} vs one process {b}"
         for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
-            assert abs(a - b) <= 1e-5 * b, f"{name} step {step}: grad norm {a} vs one process {b}"
-        assert got["first_grad_error"] <= 1e-6, f"{name}: first gradients differ by {got['first_grad_error']}"
+            assert abs(a - b) <= case.norm_tolerance * b, f"{name} step {step}: grad norm {a} vs one process {b}"
+        assert got["first_grad_error"] <= case.grad_tolerance, f"{name}: first gradients differ by " \
+                                                               f"{got['first_grad_error']}"
+    # fp32 everywhere but in the bf16 case.
+    assert [n for n, c in CASES.items() if c.loss_tolerance > 1e-5] == ["llama_bf16_cp2"]
 
 
 @pytest.mark.slow
