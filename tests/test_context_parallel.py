@@ -183,13 +183,17 @@ def test_the_trainer_under_cp_runs_and_resumes_as_under_cp_1(results) -> None:
                 assert abs(value - written[key]) <= 1e-5, f"{model} cp={cp} resuming cp={other}: {key}"
 
 
-def test_the_driver_refuses_a_cp_the_sequence_or_the_model_cannot_take_before_any_worker() -> None:
+def test_the_driver_refuses_a_cp_the_sequence_cannot_take_before_any_worker() -> None:
     cfg = load_config(None, ["model.block_size=18"])
     with pytest.raises(ConfigError, match=re.escape(
             "key 'parallel.cp': cp=2 needs a sequence length divisible by 2 x cp = 4 (each rank holds 2 of 2 x cp "
             "equal chunks); model.block_size is 18")):
         check_context_parallel(cfg, 2)
     check_context_parallel(cfg, 1)  # one rank holds the whole sequence, whatever its length
+
+
+@pytest.mark.slow  # builds three models on the meta device
+def test_the_driver_refuses_a_model_without_the_hook_before_any_worker() -> None:
     cfg = load_config(None, ["model.block_size=16"])
     with pytest.raises(ConfigError, match=re.escape("key 'parallel.cp': context parallelism (cp=4) needs every "
                                                     "block's attention to declare the sequence hook")):
