@@ -39,6 +39,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "first_run": ("runs", "goals", "met"),
     "checkpoint_store": ("ranks", "steps", "stores", "params", "checkpoint_bytes"),
     "compile": ("eager_s", "compiled_s", "speedup", "cold_compile_s", "warm_compile_s"),
+    "context_parallel": ("seq", "model", "rows"),
     "rehearsal": ("cases", "max_memory_error", "max_bytes_error", "goal"),
     "cost_model": ("world", "backend", "calibration", "rows", "mean_error", "max_error", "per_op"),
     "cost_model_shaped": ("shapings", "mean_error", "goal"),

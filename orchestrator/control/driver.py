@@ -58,7 +58,7 @@ from .failures import Regrow, WorkerFailure
 from .follow import Failed, Finished, Outcome, consume, follow
 from .job_context import JobContext
 from .placement import EarlyStart, Placement, claim, cpu_affinity, nccl_settings, place, start_early
-from .preflight import compile_checked, measure_model
+from .preflight import check_context_parallel, compile_checked, measure_model
 from .recovery import GiveUp, KeepSurvivors, RecoveryState, RestartWorld, decide_recovery
 
 
@@ -518,6 +518,7 @@ class JobDriver:
             # Only now is the block worth tracing: planned again with what the trace found.
             self.spec = compile_checked(cfg, spec, self.model_fn)
             return self._choose_plan(view, left_out, use_gpu)
+        check_context_parallel(cfg, plan.mesh.cp, self.model_fn)
         if note:
             plan = replace(plan, explanation=tuple(plan.explanation) + (note,))
         run.write_json("plan.json", trial.plan_record(plan, self.trial_section))

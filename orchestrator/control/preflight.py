@@ -68,6 +68,26 @@ def _check_pipeline_contract(cfg: JobConfig, model_fn: Callable[..., Any] | None
         raise ConfigError(f"key 'parallel.pp': {e}") from None
 
 
+def check_context_parallel(cfg: JobConfig, cp: int, model_fn: Callable[..., Any] | None = None) -> None:
+    """A plan that shares sequences over `cp` ranks needs a sequence that halves into 2 x cp
+    chunks and a model whose every block's attention declares the sequence hook: refused here,
+    in one line naming the key, before any worker starts."""
+    from ..planning.sequence_split import sequence_split_problem
+
+    problem = sequence_split_problem(cp, cfg.model.block_size)
+    if problem is None and cp > 1:
+        import torch
+
+        from ..runtime.context_parallel import prepare_for_context_parallel
+        from ..workloads.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(cfg.model, model_fn)
+        problem = prepare_for_context_parallel(model, cp)
+    if problem:
+        raise ConfigError(f"key 'parallel.cp': {problem}")
+
+
 def _check_weights(cfg: JobConfig, weights: str, model_fn: Callable[..., Any] | None) -> None:
     """Weights that do not fit the model (missing or extra names, other shapes) are refused
     here from the file's headers, in one line, before any worker spends memory on them."""

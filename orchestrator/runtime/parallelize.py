@@ -50,6 +50,7 @@ from orchestrator.planning.mesh import AXES, Mesh
 from orchestrator.planning.resolve import Execution
 from orchestrator.runtime.comm_hooks import HierarchicalAllReduce, fsdp_policy, register_ddp_sync
 from orchestrator.runtime.compile import compile_blocks as compile_model_blocks
+from orchestrator.runtime.context_parallel import apply_context_parallel, gradient_mesh, replicate_shard_mesh
 from orchestrator.runtime.expert_parallel import (
     apply_expert_parallel,
     expert_parallel_mesh,
@@ -85,12 +86,9 @@ def data_parallel_rank(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D mesh over all data-parallel ranks (the flattened dp_replicate x dp_shard)."""
-    if mesh["dp_shard"].size() == 1:
-        return mesh["dp_replicate"]
-    if mesh["dp_replicate"].size() == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    """A 1-D mesh over all ranks that average gradients: the data-parallel ranks and the cp ranks
+    sharing their sequences (the flattened dp_replicate x dp_shard x cp)."""
+    return gradient_mesh(mesh)
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
@@ -392,6 +390,8 @@ def parallelize(
         model.to(device)
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if ex.mesh.cp > 1:
+        apply_context_parallel(model, mesh["cp"])
     expert_mesh = expert_parallel_mesh(ex, device.type)
     if expert_mesh is not None:
         apply_expert_parallel(model, expert_mesh, mesh["tp"])
@@ -428,10 +428,10 @@ def parallelize(
         install_load_balancing(ddp, optimizer, loss_group(mesh), copies=ex.mesh.tp)
         return Parallelized(ddp, optimizer, notes, hierarchy)
 
-    # FSDP2 over the 2-D (dp_replicate, dp_shard) mesh replicates across the first axis (hsdp,
+    # FSDP2 over the 2-D (dp_replicate, dp_shard x cp) mesh replicates across the first axis (hsdp,
     # and ddp with tensor parallelism, whose shard axis has size one); else it shards over all
     # data-parallel ranks as one flat group.
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if ex.fsdp_replicates else _dp_mesh(mesh)
+    dp_mesh = replicate_shard_mesh(mesh) if ex.fsdp_replicates else _dp_mesh(mesh)
     policy, policy_notes = fsdp_policy(str(ex.param_dtype), str(ex.compression), _dp_mesh(mesh).get_group())
     notes += policy_notes
     if expert_mesh is not None:

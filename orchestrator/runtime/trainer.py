@@ -25,11 +25,14 @@ import torch.nn.functional as F
 from ..choices import Precision
 from ..config import JobConfig
 from ..data.stream import open_data
+from ..errors import PlanError
 from ..planning import Plan
 from ..planning.resolve import on_device
+from ..planning.sequence_split import sequence_split_problem
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
 from .compile import eager_for_eval
+from .context_parallel import ZigzagShard
 from .expert_parallel import expert_load
 from .hf_weights import check_weights, load_weights
 from .lr_schedule import lr_at
@@ -94,6 +97,12 @@ class Trainer:
                 f"plan does not cover the global batch: micro {self.micro} x accum {self.accum} x "
                 f"data-parallel {self.dp_world} != train.global_batch_size {gb}"
             )
+        problem = sequence_split_problem(plan.mesh.cp, cfg.model.block_size)
+        if problem:
+            raise PlanError(f"key 'parallel.cp': {problem}")
+        # Under context parallelism the ranks of a cp group take the same samples and each keeps
+        # its chunks of every sequence, labels shifted before (`context_parallel.py`).
+        self.sequence = ZigzagShard(self.mesh["cp"]) if plan.mesh.cp > 1 else None
         ex = self.execution
         self.build_notes: list[str] = []
         """How the model was built where it differs from the meta build (one sentence each)."""
@@ -248,10 +257,17 @@ class Trainer:
         self.applied = step
         return step
 
+    def _own_tokens(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of its data-parallel share: all of them, or its cp chunks of each."""
+        if self.sequence is None:
+            return x, y
+        return self.sequence.take(x), self.sequence.take(y)
+
     def _global_mean(self, value: torch.Tensor) -> float:
         # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so
         # the mean over the ranks holding it (the last stage's, under a pipeline; the others
-        # hold zero) is the mean over the global batch.
+        # hold zero) is the mean over the global batch; the cp ranks of a sequence hold the
+        # means of equally many of its tokens, so theirs is its mean too.
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value.item() / self.loss_ranks
 
@@ -282,12 +298,14 @@ class Trainer:
         t = self.cfg.train
         t0 = time.perf_counter()
         # Dropout's randomness is a function of (seed, step, data-parallel rank): a resumed run
-        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry.
-        torch.manual_seed(hash((t.seed, step, self.dp_rank)) & 0x7FFF_FFFF)
+        # draws exactly the masks the uninterrupted run drew, with no RNG state to carry. The cp
+        # ranks of a sequence hold different tokens of it, so each draws masks of its own.
+        key = (t.seed, step, self.dp_rank) + ((self.sequence.rank,) if self.sequence is not None else ())
+        torch.manual_seed(hash(key) & 0x7FFF_FFFF)
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps)
         for group in self.par.optimizer.param_groups:
             group["lr"] = lr
-        x, y = self.data.train_batch(step, t.global_batch_size, self.dp_rank, self.dp_world)
+        x, y = self._own_tokens(*self.data.train_batch(step, t.global_batch_size, self.dp_rank, self.dp_world))
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         if isinstance(self.par, Pipelined):
             with self._autocast():
@@ -333,7 +351,7 @@ class Trainer:
         model.eval()
         total = torch.zeros((), device=self.device)
         for i in range(t.eval_iters):
-            x, y = self.data.val_batch(i, t.global_batch_size, self.dp_rank, self.dp_world)
+            x, y = self._own_tokens(*self.data.val_batch(i, t.global_batch_size, self.dp_rank, self.dp_world))
             x, y = x.to(self.device), y.to(self.device)
             if isinstance(self.par, Pipelined):
                 # Forward only through the stages, in the training micro-batches: their mean.

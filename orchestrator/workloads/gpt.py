@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .sequence import WHOLE_SEQUENCE
+
 
 @dataclass
 class GPTConfig:
@@ -39,6 +41,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.sequence_layout = WHOLE_SEQUENCE  # the context-parallel hook (workloads/sequence.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -46,9 +49,7 @@ class CausalSelfAttention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = self.sequence_layout.attend(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
@@ -101,6 +102,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
+        # The hook on the module that reads positions: a pipeline stage holds it, not the root.
+        self.wpe.sequence_layout = WHOLE_SEQUENCE
         for name, module in self.named_modules():
             self.init_module(module, name)
 
@@ -126,7 +129,7 @@ class GPT(nn.Module):
     pipeline_tied = ("wte.weight", "lm_head.weight")
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = self.wpe.sequence_layout.positions(idx.shape[1], idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

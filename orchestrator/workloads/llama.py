@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .sequence import WHOLE_SEQUENCE
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -49,11 +51,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of x [B, H, T, D] (the half-split form, as Hugging Face's Llama)."""
-    T, D = x.shape[-2], x.shape[-1]
+def _rotate(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of x [B, H, T, D] at its T `positions` (the half-split form, as
+    Hugging Face's Llama)."""
+    D = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    ang = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), inv)
+    ang = torch.outer(positions.to(torch.float32), inv)
     cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -69,14 +72,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.sequence_layout = WHOLE_SEQUENCE  # the context-parallel hook (workloads/sequence.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, self.theta), _rotate(k, self.theta)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.rep > 1)
+        positions = self.sequence_layout.positions(T, x.device)
+        q, k = _rotate(q, self.theta, positions), _rotate(k, self.theta, positions)
+        y = self.sequence_layout.attend(q, k, v, enable_gqa=self.rep > 1)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -1,0 +1,19 @@
+"""Which context-parallel degrees a sequence allows: head-tail sharding cuts every sequence into
+2 x cp equal chunks (`runtime/context_parallel.py`), so cp must divide half the sequence.
+
+Imports neither torch nor Ray: config validation and the planner ask it as the runtime does.
+"""
+
+from __future__ import annotations
+
+
+def sequence_split_problem(cp: int, seq_len: int) -> str | None:
+    """What keeps a sequence of `seq_len` tokens from being shared by `cp` ranks, in words; None
+    when it can be."""
+    if cp < 1:
+        return f"cp must be at least 1, got {cp}"
+    if cp > 1 and seq_len % (2 * cp):
+        return (f"cp={cp} needs a sequence length divisible by 2 x cp = {2 * cp} (each rank holds 2 of 2 x cp equal "
+                f"chunks); model.block_size is {seq_len}")
+    return None
+
