@@ -437,10 +437,12 @@ def validate(cfg: JobConfig) -> None:
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
     _auto_or_positive_int(p.cp, "parallel.cp")
     _auto_or_positive_int(p.ep, "parallel.ep")
-    if isinstance(p.cp, int) and m.block_size % (2 * p.cp):
-        allowed = ", ".join(str(c) for c in range(1, 65) if m.block_size % (2 * c) == 0) or "none"
-        raise ConfigError(f"key 'parallel.cp': model.block_size ({m.block_size}) must divide into 2 x cp head-tail "
-                          f"chunks, got cp={p.cp}; allowed up to 64: {allowed}")
+    # The runtime's own rule (planning imports this module, so it loads here, when asked).
+    from .planning.sequence_split import ALLOWED_UP_TO, allowed_cps, sequence_split_problem
+
+    if isinstance(p.cp, int) and (problem := sequence_split_problem(p.cp, m.block_size)):
+        allowed = ", ".join(str(c) for c in allowed_cps(m.block_size))
+        raise ConfigError(f"key 'parallel.cp': {problem}; allowed up to {ALLOWED_UP_TO}: {allowed}")
     _auto_or_positive_int(p.pp, "parallel.pp")
     _auto_or_positive_int(p.pp_microbatches, "parallel.pp_microbatches")
     if p.trial is False:  # YAML reads a bare `off` as false

@@ -6,6 +6,14 @@ Imports neither torch nor Ray: config validation and the planner ask it as the r
 
 from __future__ import annotations
 
+ALLOWED_UP_TO = 64
+"""The largest cp an error lists among the allowed degrees."""
+
+
+def allowed_cps(seq_len: int, up_to: int = ALLOWED_UP_TO) -> list[int]:
+    """The cp degrees up to `up_to` a sequence of `seq_len` tokens can be shared by."""
+    return [cp for cp in range(1, up_to + 1) if sequence_split_problem(cp, seq_len) is None]
+
 
 def sequence_split_problem(cp: int, seq_len: int) -> str | None:
     """What keeps a sequence of `seq_len` tokens from being shared by `cp` ranks, in words; None
