@@ -142,13 +142,37 @@ def _by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def total_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `params`' gradients (each with a gradient), as a plain tensor: the
-    norm per (mesh, placements) group made whole with ``full_tensor``, then combined."""
+    """The 2-norm of all of `params`' gradients (each with a gradient), as a plain tensor: per
+    (mesh, placements) group, the norm of this rank's shards, its square summed over the mesh
+    axes the group is sharded on in one all-reduce; then the groups' norms combined."""
     norms = []
     for group in _by_mesh(params):
-        n = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+        grads = [p.grad for p in group]
+        if not isinstance(grads[0], DTensor):
+            norms.append(torch.nn.utils.get_total_norm(grads))
+            continue
+        norms.append(_sharded_norm(grads))
     return torch.nn.utils.get_total_norm(norms)
+
+
+def _sharded_norm(grads: list[Any]) -> torch.Tensor:
+    """The whole 2-norm of DTensor gradients on one mesh with one placement each. DTensor's own
+    norm reduces once per sharded axis, one after the other (an expert sharded over `efsdp`
+    and `ep` would pay two); the squares reduced over the sharded axes flattened pay one."""
+    mesh, placements = grads[0].device_mesh, grads[0].placements
+    if any(pl.is_partial() for pl in placements):  # pending sums: their squares do not add up
+        return torch.nn.utils.get_total_norm(grads).full_tensor()
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in grads]).float()
+    names = mesh.mesh_dim_names or ()
+    # Not `is_shard()`: FSDP2 over a tensor-parallel or expert shard places a `_StridedShard`,
+    # which is not one.
+    sharded = tuple(name for name, pl in zip(names, placements) if not pl.is_replicate())
+    if not sharded:
+        return local
+    square = local ** 2
+    axes = mesh[sharded[0]] if len(sharded) == 1 else mesh[sharded]._flatten("_".join(sharded))
+    dist.all_reduce(square, group=axes.get_group())
+    return square.sqrt()
 
 
 def clip_grads_with_norm(params: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
