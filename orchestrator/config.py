@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
 from .errors import ConfigError
+from .sequence_split import ALLOWED_UP_TO, allowed_cps, sequence_split_problem
 
 GPT_FACTORY = "orchestrator.workloads.gpt:build"
 """The built-in GPT's factory: the default model."""
@@ -437,9 +438,6 @@ def validate(cfg: JobConfig) -> None:
     _auto_or_positive_int(p.dp_shard, "parallel.dp_shard")
     _auto_or_positive_int(p.cp, "parallel.cp")
     _auto_or_positive_int(p.ep, "parallel.ep")
-    # The runtime's own rule (planning imports this module, so it loads here, when asked).
-    from .planning.sequence_split import ALLOWED_UP_TO, allowed_cps, sequence_split_problem
-
     if isinstance(p.cp, int) and (problem := sequence_split_problem(p.cp, m.block_size)):
         allowed = ", ".join(str(c) for c in allowed_cps(m.block_size))
         raise ConfigError(f"key 'parallel.cp': {problem}; allowed up to {ALLOWED_UP_TO}: {allowed}")

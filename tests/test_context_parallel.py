@@ -24,13 +24,13 @@ import torch.nn as nn
 from orchestrator.config import load_config
 from orchestrator.control.preflight import check_context_parallel
 from orchestrator.errors import ConfigError, PlanError
-from orchestrator.planning.sequence_split import sequence_split_problem
 from orchestrator.runtime.context_parallel import (
     apply_context_parallel,
     chunk_positions,
     gathered_order,
     prepare_for_context_parallel,
 )
+from orchestrator.sequence_split import sequence_split_problem
 from orchestrator.workloads.hf_sequence import ATTENTION_NAME
 from orchestrator.workloads.sequence import WHOLE_SEQUENCE
 

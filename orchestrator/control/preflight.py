@@ -72,7 +72,7 @@ def check_context_parallel(cfg: JobConfig, cp: int, model_fn: Callable[..., Any]
     """A plan that shares sequences over `cp` ranks needs a sequence that halves into 2 x cp
     chunks and a model whose every block's attention declares the sequence hook: refused here,
     in one line naming the key, before any worker starts."""
-    from ..planning.sequence_split import sequence_split_problem
+    from ..sequence_split import sequence_split_problem
 
     problem = sequence_split_problem(cp, cfg.model.block_size)
     if problem is None and cp > 1:

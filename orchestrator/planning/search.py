@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ..choices import AccumSync, Compression, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
+from ..sequence_split import sequence_split_problem
 from .cost import Choice, Estimate, JobContext, compute_floor, estimate
 from .layout import ClusterLayout, Wirings, cluster_layout
 from .mesh import Mesh
@@ -384,10 +385,8 @@ def pipeline_cannot_win(space: SearchSpace, candidate: MeshCandidate, fastest_s:
 
 
 def sequence_does_not_split(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:
-    cp, seq = candidate.mesh.cp, space.ctx.shape.seq
-    if cp > 1 and seq % (2 * cp):
-        return f"sequence not divisible by 2 x cp: {seq} tokens do not cut into {2 * cp} head-tail chunks"
-    return None
+    problem = sequence_split_problem(candidate.mesh.cp, space.ctx.shape.seq)
+    return f"sequence does not split: {problem}" if problem else None
 
 
 def experts_do_not_divide(space: SearchSpace, candidate: MeshCandidate, fastest_s: float) -> str | None:

@@ -28,7 +28,7 @@ from torch.distributed import _functional_collectives as functional
 from torch.distributed.device_mesh import DeviceMesh
 
 from orchestrator.errors import PlanError
-from orchestrator.planning.sequence_split import sequence_split_problem
+from orchestrator.sequence_split import sequence_split_problem
 from orchestrator.workloads.hf_sequence import declare_sequence_hooks, is_hugging_face
 from orchestrator.workloads.models import attention_of, block_slots
 from orchestrator.workloads.sequence import HOOK, WholeSequence

@@ -28,7 +28,7 @@ from ..data.stream import open_data
 from ..errors import PlanError
 from ..planning import Plan
 from ..planning.resolve import on_device
-from ..planning.sequence_split import sequence_split_problem
+from ..sequence_split import sequence_split_problem
 from ..workloads.gpt import param_groups
 from ..workloads.models import build_model, logits_of
 from .compile import eager_for_eval
