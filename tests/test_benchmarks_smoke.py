@@ -114,6 +114,7 @@ def test_cost_model_reduce_scatter_and_all_gather_relate_to_all_reduce_as_each_b
     assert gloo["reduce_scatter"] > gloo["all_reduce"]
 
 
+@pytest.mark.slow  # ~4 s: two gloo ranks
 def test_cost_model_measures_two_gloo_ranks_and_reports_errors():
     # Sizes far enough apart that the all-reduce series grows above the noise of a shared machine
     # (the all-reduce calibration fits a line to it).

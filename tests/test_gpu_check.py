@@ -654,6 +654,7 @@ def _image(tmp_path: Path) -> str:
     return str(folder)
 
 
+@pytest.mark.slow  # ~5 s: the image check in a fresh interpreter
 def test_on_the_image_a_missing_wheel_is_one_line_and_the_parts_say_what_they_lack(tmp_path):
     out = tmp_path / "out"
     res = _script(["--device", "cpu", "--quick", "--only", "torch_api", "--only", "doctor"], timeout=300,
@@ -678,6 +679,7 @@ def test_on_the_image_the_carried_wheel_is_installed_and_the_parts_run(tmp_path)
     assert _result(out, "torch_api")["modules_failing"] == []
 
 
+@pytest.mark.slow  # ~5 s: compiled steps on CPU
 def test_the_compiled_figure_is_of_compiled_steps_only(tmp_path, monkeypatch):
     # Ten steps: a compiled run that long would time steps 2-9 alternately eager to measure its
     # gain, and those eager steps would sit in the compiled figure.

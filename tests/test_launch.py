@@ -100,6 +100,7 @@ def test_outside_torchrun_the_launch_says_how_to_start_it():
         "torchrun --nproc-per-node N -m orchestrator.runtime.launch JOB.yaml"]
 
 
+@pytest.mark.slow  # ~4 s: two torchrun ranks
 def test_a_bad_key_is_one_line_from_rank_0_and_the_launch_fails():
     _, done = _launch(2, "train.max_steps=0")
     assert done.returncode != 0

@@ -191,6 +191,7 @@ def test_full_recomputation_repeats_every_tensor_parallel_reduction_but_the_bloc
     _check_agreement(plan["rehearsal"], memory=False)
 
 
+@pytest.mark.slow  # ~10 s: a pipeline of 8 blocks at 32 ranks
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved_1f1b", marks=pytest.mark.slow),
                                       pytest.param("gpipe", marks=pytest.mark.slow)])
 def test_a_pipeline_rehearses_its_first_and_last_stage_and_their_point_to_point(capsys, monkeypatch, schedule):
