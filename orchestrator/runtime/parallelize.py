@@ -144,7 +144,7 @@ def _by_mesh(params: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 def total_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all of `params`' gradients (each with a gradient), as a plain tensor: per
     (mesh, placements) group, the norm of this rank's shards, its square summed over the mesh
-    axes the group is sharded on in one all-reduce; then the groups' norms combined."""
+    axes the group is sharded on; then the groups' norms combined."""
     norms = []
     for group in _by_mesh(params):
         grads = [p.grad for p in group]
@@ -156,9 +156,10 @@ def total_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def _sharded_norm(grads: list[Any]) -> torch.Tensor:
-    """The whole 2-norm of DTensor gradients on one mesh with one placement each. DTensor's own
-    norm reduces once per sharded axis, one after the other (an expert sharded over `efsdp`
-    and `ep` would pay two); the squares reduced over the sharded axes flattened pay one."""
+    """The whole 2-norm of DTensor gradients on one mesh with one placement each: this rank's
+    shards' squares summed over every axis they are sharded on. (DTensor's own norm does the
+    same reductions, and warns on every rank that an expert's two, over `efsdp` and `ep`,
+    could be one.)"""
     mesh, placements = grads[0].device_mesh, grads[0].placements
     if any(pl.is_partial() for pl in placements):  # pending sums: their squares do not add up
         return torch.nn.utils.get_total_norm(grads).full_tensor()
@@ -170,8 +171,10 @@ def _sharded_norm(grads: list[Any]) -> torch.Tensor:
     if not sharded:
         return local
     square = local ** 2
-    axes = mesh[sharded[0]] if len(sharded) == 1 else mesh[sharded]._flatten("_".join(sharded))
-    dist.all_reduce(square, group=axes.get_group())
+    # The mesh's own groups, not a slice or a flattened mesh of it: those are cached across
+    # process groups, and a world re-formed after a failure would find the old one's.
+    for name in sharded:
+        dist.all_reduce(square, group=mesh.get_group(names.index(name)))
     return square.sqrt()
 
 

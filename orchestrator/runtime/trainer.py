@@ -264,12 +264,23 @@ class Trainer:
         return self.sequence.take(x), self.sequence.take(y)
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        # gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so
-        # the mean over the ranks holding it (the last stage's, under a pipeline; the others
-        # hold zero) is the mean over the global batch; the cp ranks of a sequence hold the
-        # means of equally many of its tokens, so theirs is its mean too.
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value.item() / self.loss_ranks
+        return self._start_global_sum(value)()
+
+    def _start_global_sum(self, value: torch.Tensor) -> Callable[[], float]:
+        """Start summing `value` over the world; returns what waits for the sum and reads the mean.
+
+        gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so the
+        mean over the ranks holding it (the last stage's, under a pipeline; the others hold
+        zero) is the mean over the global batch; the cp ranks of a sequence hold the means of
+        equally many of its tokens, so theirs is its mean too."""
+        work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
+
+        def mean() -> float:
+            if work is not None:
+                work.wait()
+            return value.item() / self.loss_ranks
+
+        return mean
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-step; the sum of their losses over the count."""
@@ -312,10 +323,12 @@ class Trainer:
                 total = self.par.step(x, y)
         else:
             total = self._accumulate(x, y)
-        # Every collective of a step comes before its update, the loss's reduction too: a rank
-        # that loses a peer has applied the step entirely or not at all, so a survivor's memory
-        # holds a whole step to restore the group from (peer_state.py).
-        mean_loss = self._global_mean(total)
+        # Every collective of a step is issued before its update, the loss's reduction too: a
+        # rank that loses a peer has applied the step entirely or not at all, as every survivor
+        # has, so a survivor's memory holds a whole step to restore the group from
+        # (peer_state.py). The loss is read only at the step's end: reading it here would hold
+        # the host until backward and its reductions are done before it could queue the update.
+        loss_sum = self._start_global_sum(total)
         opt_start = self._mark()
         if self.scaler:
             self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
@@ -329,6 +342,7 @@ class Trainer:
         self.par.zero_grad()
         opt_end = self._mark()
         self.sync_device()  # the step's end: its marks are done
+        mean_loss = loss_sum()
         step_s = time.perf_counter() - t0
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
                           tokens_per_s=self.tokens_per_step / step_s,
