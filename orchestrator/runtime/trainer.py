@@ -264,9 +264,9 @@ class Trainer:
         return self.sequence.take(x), self.sequence.take(y)
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        return self._start_global_sum(value)()
+        return self._start_global_mean(value)()
 
-    def _start_global_sum(self, value: torch.Tensor) -> Callable[[], float]:
+    def _start_global_mean(self, value: torch.Tensor) -> Callable[[], float]:
         """Start summing `value` over the world; returns what waits for the sum and reads the mean.
 
         gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so the
@@ -328,7 +328,7 @@ class Trainer:
         # has, so a survivor's memory holds a whole step to restore the group from
         # (peer_state.py). The loss is read only at the step's end: reading it here would hold
         # the host until backward and its reductions are done before it could queue the update.
-        loss_sum = self._start_global_sum(total)
+        loss_mean = self._start_global_mean(total)
         opt_start = self._mark()
         if self.scaler:
             self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
@@ -342,7 +342,7 @@ class Trainer:
         self.par.zero_grad()
         opt_end = self._mark()
         self.sync_device()  # the step's end: its marks are done
-        mean_loss = loss_sum()
+        mean_loss = loss_mean()
         step_s = time.perf_counter() - t0
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
                           tokens_per_s=self.tokens_per_step / step_s,
