@@ -264,23 +264,18 @@ class Trainer:
         return self.sequence.take(x), self.sequence.take(y)
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        return self._start_global_mean(value)()
+        reduction = self._start_global_mean(value)
+        reduction.wait()
+        return reduction.read()
 
-    def _start_global_mean(self, value: torch.Tensor) -> Callable[[], float]:
-        """Start summing `value` over the world; returns what waits for the sum and reads the mean.
+    def _start_global_mean(self, value: torch.Tensor) -> "_PendingMean":
+        """Start summing `value` over the world; `wait` then `read` give the mean.
 
         gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so the
         mean over the ranks holding it (the last stage's, under a pipeline; the others hold
         zero) is the mean over the global batch; the cp ranks of a sequence hold the means of
         equally many of its tokens, so theirs is its mean too."""
-        work = dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True)
-
-        def mean() -> float:
-            if work is not None:
-                work.wait()
-            return value.item() / self.loss_ranks
-
-        return mean
+        return _PendingMean(dist.all_reduce(value, op=dist.ReduceOp.SUM, async_op=True), value, self.loss_ranks)
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-step; the sum of their losses over the count."""
@@ -323,12 +318,15 @@ class Trainer:
                 total = self.par.step(x, y)
         else:
             total = self._accumulate(x, y)
-        # Every collective of a step is issued before its update, the loss's reduction too: a
+        # Every collective of a step completes before its update, the loss's reduction too: a
         # rank that loses a peer has applied the step entirely or not at all, as every survivor
         # has, so a survivor's memory holds a whole step to restore the group from
-        # (peer_state.py). The loss is read only at the step's end: reading it here would hold
-        # the host until backward and its reductions are done before it could queue the update.
+        # (peer_state.py). Waiting is not reading: under NCCL the wait orders the streams and
+        # frees the host at once; under gloo it is the barrier itself. The loss is read only at
+        # the step's end: reading it here would hold the host until backward and its
+        # reductions are done before it could queue the update.
         loss_mean = self._start_global_mean(total)
+        loss_mean.wait()
         opt_start = self._mark()
         if self.scaler:
             self.scaler.unscale_(self.par.optimizer)  # clip the true gradients, not scaled ones
@@ -342,7 +340,7 @@ class Trainer:
         self.par.zero_grad()
         opt_end = self._mark()
         self.sync_device()  # the step's end: its marks are done
-        mean_loss = loss_mean()
+        mean_loss = loss_mean.read()
         step_s = time.perf_counter() - t0
         return StepResult(step=step, loss=mean_loss, lr=lr, step_s=step_s,
                           tokens_per_s=self.tokens_per_step / step_s,
@@ -396,3 +394,26 @@ def _requested_compression(cfg: JobConfig, plan: Plan):
     made one (one dropped on the planned kind may run on this one), else the plan's."""
     asked = cfg.parallel.compression
     return plan.sync.compression if asked == "auto" else asked
+
+
+@dataclass
+class _PendingMean:
+    """A world sum started asynchronously, and how to read its mean once it is done."""
+
+    work: Any
+    """The collective's handle (None where the process group ran it synchronously)."""
+    value: torch.Tensor
+    """The tensor the sum lands in."""
+    ranks: int
+    """How many ranks' values the sum holds, to divide by."""
+
+    def wait(self) -> None:
+        """Wait for the sum: the host waits under gloo, only the device's stream under NCCL."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def read(self) -> float:
+        """The mean, on the host: the one read of the step."""
+        self.wait()
+        return self.value.item() / self.ranks
