@@ -68,6 +68,45 @@ def test_async_save_writes_the_staged_state_and_commits_only_when_asked(one_rank
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_async_save_waits_for_an_asynchronous_stager_before_training_goes_on(one_rank, tmp_path, monkeypatch):
+    # DCP's stager may copy in a thread of its own; the update after save_async returns would
+    # then race the copy, and the checkpoint would hold some tensors of the next step.
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    class SlowStager(AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            staged: Future = Future()
+
+            def copy():
+                time.sleep(0.3)
+                staged.set_result({k: v.clone() for k, v in state_dict.items()})
+
+            threading.Thread(target=copy, daemon=True).start()
+            return staged
+
+        def synchronize_staging(self):
+            pass
+
+        def close(self):
+            pass
+
+    real = checkpoint.dcp.async_save
+    monkeypatch.setattr(checkpoint.dcp, "async_save", lambda *a, **k: real(*a, async_stager=SlowStager(), **k))
+    w = torch.full((64,), 4.0)
+    pending = checkpoint.save_async(str(tmp_path), 4, {"w": w}, {"world_size": 1}, keep_last=1,
+                                    group=checkpoint.writer_group())
+    w.add_(100.0)  # the next step's update
+    state = {"w": torch.zeros(64)}
+    checkpoint.load(pending.commit(), state)
+    assert torch.equal(state["w"], torch.full((64,), 4.0))
+
+
 def test_a_fenced_rank_neither_commits_nor_prunes(one_rank, tmp_path, monkeypatch):
     # The driver fences a world before it chooses where the next one resumes: a commit after
     # that would leave a newer checkpoint the next world then refuses to overwrite, and its

@@ -123,7 +123,13 @@ def save_async(root: str, step: int, state: dict[str, Any], meta: dict[str, Any]
     where = _prepare(root, step)
     fs, _, target, _ = where
     res = dcp.async_save(state, checkpoint_id=url_of(fs, target), process_group=group)
-    written = res.upload_completion if isinstance(res, AsyncSaveResponse) else res
+    if isinstance(res, AsyncSaveResponse):
+        # An asynchronous stager copies in the background too: the next update would change
+        # tensors it has not copied yet, and the checkpoint would hold two steps at once.
+        res.staging_completion.result()
+        written = res.upload_completion
+    else:
+        written = res
     rank = dist.get_rank()
     # Hashing this rank's shards is as long as reading them: done by the writer's side too.
     done: Future = Future()
