@@ -213,3 +213,46 @@ def test_the_outbox_sends_steps_together_urgent_items_at_once_and_keeps_their_or
     box.add({"step": 5})
     box.flush()
     assert sink.batches[-1] == [{"step": 5}]
+
+
+def test_an_moe_step_sets_one_imbalance_gauge_per_layer(monkeypatch):
+    from orchestrator.runtime import metrics
+
+    sets: list[tuple[str, float, dict]] = []
+
+    class Gauge(_Recorded):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def set(self, value, tags):
+            sets.append((self.name, value, dict(tags)))
+
+    fakes: dict[str, Gauge] = {}
+    monkeypatch.setattr(metrics, "_metric", lambda spec, keys: fakes.setdefault(spec.name, Gauge(spec.name)))
+    monkeypatch.setattr(metrics, "_start_exporter", lambda: None)
+    monkeypatch.setattr(metrics, "_live", [])
+    monkeypatch.setattr(metrics, "_gauges", {})
+    m = metrics.TrainMetrics("job", 3, node="n")
+    m.record_step({"step": 1, "loss": 3.0, "memory_bytes": 7, "expert_tokens": [[4, 4], [8, 0]],
+                   "expert_imbalance": [1.0, 1.5]})
+    m.record_step({"step": 2, "loss": 2.0, "memory_bytes": 7, "expert_tokens": [[6, 2], [4, 4]],
+                   "expert_imbalance": [1.5, 1.0]})
+    m.flush()
+    got = {(t["layer"], t["rank"]): v for name, v, t in sets if name == "orchestrator_expert_imbalance"}
+    assert got == {("0", "3"): 1.5, ("1", "3"): 1.0}  # the last step's, per layer
+    dense = metrics.TrainMetrics("job", 0, node="n")
+    sets.clear()
+    dense.record_step({"step": 1, "loss": 3.0, "memory_bytes": 7})
+    dense.flush()
+    assert not [s for s in sets if s[0] == "orchestrator_expert_imbalance"]
+
+
+def test_no_two_panels_overlap():
+    cells = set()
+    for panel in grafana.dashboard()["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"{panel['title']} overlaps another panel"
+        cells |= mine

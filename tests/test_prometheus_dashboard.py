@@ -156,7 +156,10 @@ def test_every_panel_query_returns_its_series(scraped_run):
     nodes = {p["node_id"] for p in placement}
     assert len(ranks) == 2
     empty, unsplit = [], []
+    moe_only = {p.title for p in grafana.PANELS if p.moe_only}  # a dense run has no expert series
     for panel in board["panels"]:
+        if panel["title"] in moe_only:
+            continue
         for target in panel["targets"]:
             expr = _grafana_fill(target["expr"], "llm")
             series = _query_range(scraped_run["prom"], expr, scraped_run["start"], scraped_run["end"])

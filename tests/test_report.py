@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "tests/fixtures/topology/topo_4gpu_pcie_pxb_pix_nccl667.txt"
 PICTURES = ("topology", "layout", "loss", "ranks")
 SLOW_RANK = 2
+DENSE_SECTIONS = [s for s in SECTIONS if s != "experts"]
+"""A run that logged no expert load has no experts section."""
 
 
 # --- synthetic run directories ------------------------------------------------------------------
@@ -127,7 +129,7 @@ def _said(body: str) -> list[str]:
 def test_a_complete_run_has_every_section_each_picture_and_its_straggler_marked(tmp_path, planned):
     page = build_report(_complete(tmp_path, planned))
     sections = _sections(page)
-    assert list(sections) == list(SECTIONS)
+    assert list(sections) == DENSE_SECTIONS
     for name in PICTURES:
         assert "<svg" in sections[name], name
     assert all(not _said(body) for body in sections.values()), {k: _said(v) for k, v in sections.items()}
@@ -209,7 +211,7 @@ def test_a_run_that_died_before_its_first_step_renders(tmp_path, planned):
         {"time": "t", "reason": "rank raised: CUDA out of memory", "ranks": [0], "nodes": [], "failed_at_step": 0,
          "resumed_from_step": 0, "steps_lost": 0}]}))
     sections = _sections(build_report(run))
-    assert list(sections) == list(SECTIONS)
+    assert list(sections) == DENSE_SECTIONS
     assert "failed" in sections["run"]
     assert _said(sections["plan"]) == ["No plan: plan.json is absent (the run ended before it was planned)."]
     assert "plan.json is absent" in _said(sections["layout"])[0]
@@ -233,7 +235,7 @@ def test_gaps_nan_and_truncated_files_do_not_break_it(tmp_path, planned):
     (run / "plan.json").write_text(json.dumps(planned[1].to_dict())[:500])
     (run / "summary.json").write_text('{"job": "llm", "failed"')
     sections = _sections(build_report(run))
-    assert list(sections) == list(SECTIONS)
+    assert list(sections) == DENSE_SECTIONS
     assert "<svg" in sections["loss"] and "2 logged step(s) without a finite loss" in sections["loss"]
     assert "rank_times.jsonl holds no sample yet" in _said(sections["ranks"])[0]
     assert "plan.json is unreadable" in _said(sections["plan"])[0]
@@ -393,7 +395,7 @@ def check_in_chromium(page: Path, shot: Path) -> dict[str, str]:
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert console_errors(dom.stderr) == []
     sections = _sections(dom.stdout)
-    assert list(sections) == list(SECTIONS)
+    assert list(sections) == DENSE_SECTIONS
     for name in PICTURES:
         assert "<svg" in sections[name], name
     r = _open(page, f"--screenshot={shot}", "--window-size=1280,4000")
@@ -403,3 +405,37 @@ def check_in_chromium(page: Path, shot: Path) -> dict[str, str]:
     artifacts.mkdir(exist_ok=True)
     shutil.copy(shot, artifacts / "report.png")
     return sections
+
+
+def test_an_moe_run_draws_its_expert_load_as_a_layer_by_expert_map(tmp_path, planned):
+    """Every cell is one expert of one layer, coloured by its tokens over the layer's mean, summed
+    over the newest logged steps: the router as it is now, the most uneven layer named."""
+    from orchestrator.record.expert_map import WINDOW, colour
+
+    run = _complete(tmp_path, planned)
+    rows = _metrics(WINDOW + 10)
+    for r in rows:
+        # Layer 0 even; layer 1 sends 5 of 8 routed tokens to expert 2 late in the run only.
+        late = r["step"] > 10
+        r["expert_tokens"] = [[2, 2, 2, 2], [1, 1, 5, 1] if late else [2, 2, 2, 2]]
+        r["expert_imbalance"] = [1.0, 2.5 if late else 1.0]
+    rows[3]["expert_tokens"] = "damaged"  # a bad row is left out, not fatal
+    _write_jsonl(run / "metrics.jsonl", rows)
+    sections = _sections(build_report(run))
+    assert list(sections) == list(SECTIONS)
+    body = sections["experts"]
+    cells = re.findall(r'<rect [^>]*fill="([^"]+)" data-layer="(\d)" data-expert="(\d)"', body)
+    assert len(cells) == 8
+    fills = {(int(l), int(e)): f for f, l, e in cells}
+    assert {fills[(0, e)] for e in range(4)} == {colour(1.0)} == {"rgb(255,255,255)"}
+    assert fills[(1, 2)] == colour(2.5) and fills[(1, 0)] == colour(0.5)
+    assert fills[(1, 2)].startswith("rgb(255,") and fills[(1, 0)].endswith(",255)")  # red above, blue below
+    assert f"newest {WINDOW} logged" in body and "most uneven layer is 1: 2.50x" in body
+
+
+def test_the_heat_map_colour_rises_with_load_and_saturates():
+    from orchestrator.record.expert_map import SATURATE, colour
+
+    reds = [int(colour(r).split(",")[1]) for r in (1.0, 1.5, 2.0, SATURATE, 2 * SATURATE)]
+    assert reds == sorted(reds, reverse=True) and reds[-1] == reds[-2] == 0
+    assert colour(0.0) == colour(1 / SATURATE) == "rgb(0,0,255)"

@@ -44,6 +44,8 @@ class Panel:
     description: str
     kind: str = "timeseries"
     """`timeseries` or `stat`."""
+    moe_only: bool = False
+    """Its series exist only for a Mixture-of-Experts model: empty on a dense run."""
 
 
 def _step_quantile(q: float, by: str) -> str:
@@ -84,6 +86,11 @@ PANELS: tuple[Panel, ...] = (
         Target(f"max by (job_name) (ray_orchestrator_grad_norm{{{SELECT}}})", "grad norm"),
         Target(f"max by (job_name) (ray_orchestrator_learning_rate{{{SELECT}}})", "learning rate"),
     ), "The global gradient norm before clipping, and the learning rate of the last step."),
+    Panel("Expert load imbalance per MoE layer", "short", (
+        Target(f"max by (layer) (ray_orchestrator_expert_imbalance{{{SELECT}}})", "layer {{layer}}"),
+    ), "Per MoE layer, the busiest expert's tokens over the layer's mean in the last step (1 is even; top-k "
+       "routing over E experts reaches E/k when every token picks the same experts). The run's report.html "
+       "draws tokens per expert as a layer x expert heat map.", moe_only=True),
     Panel("Restarts", "short", (
         Target('max by (job_name) (ray_orchestrator_restarts{job_name=~"$job_name"})', "restarts"),
     ), "Restarts of the job after a failure (the driver's count; the run directory's summary.json says why).",
@@ -91,16 +98,26 @@ PANELS: tuple[Panel, ...] = (
 )
 
 
-def _panel_json(p: Panel, pid: int) -> dict:
-    width = 24 if p.kind == "stat" else 12
+def _grid(panels: tuple[Panel, ...]) -> list[dict]:
+    """Each panel's place: time series two to a row, a stat across a row of its own."""
+    out, x, y = [], 0, 0
+    for p in panels:
+        w, h = (24, 4) if p.kind == "stat" else (12, 8)
+        if x + w > 24:
+            x, y = 0, y + 8
+        out.append({"h": h, "w": w, "x": x, "y": y})
+        x += w
+    return out
+
+
+def _panel_json(p: Panel, pid: int, grid: dict) -> dict:
     return {
         "id": pid,
         "type": p.kind,
         "title": p.title,
         "description": p.description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "gridPos": {"h": 4 if p.kind == "stat" else 8, "w": width, "x": 0 if p.kind == "stat" else 12 * ((pid - 1) % 2),
-                    "y": 8 * ((pid - 1) // 2)},
+        "gridPos": grid,
         "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
         "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull"]}},
         "targets": [{"refId": chr(ord("A") + i), "expr": t.expr, "legendFormat": t.legend,
@@ -137,7 +154,7 @@ def dashboard() -> dict:
             _variable("job_name", "Job", "label_values(ray_orchestrator_step, job_name)"),
             _variable("node", "Node", 'label_values(ray_orchestrator_step{job_name=~"$job_name"}, node)'),
         ]},
-        "panels": [_panel_json(p, i + 1) for i, p in enumerate(PANELS)],
+        "panels": [_panel_json(p, i + 1, g) for i, (p, g) in enumerate(zip(PANELS, _grid(PANELS)))],
     }
 
 

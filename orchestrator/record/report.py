@@ -32,6 +32,7 @@ from ..topology.model import ClusterTopology
 from ..topology.render import render_svg as topology_svg
 from ..units import format_bytes
 from .curve import loss_svg
+from .expert_map import WINDOW, expert_load_svg, summed_load
 from .rundir import RunDir
 from .straggler import SLOW_FACTOR
 
@@ -46,7 +47,7 @@ SAMPLES_PER_RANK = 1000
 rank_times.jsonl holds millions of lines, and what a rank does now is what matters."""
 RUN_MARKERS = ("config.yaml", "plan.json", "summary.json")
 """A directory holding none of these is not a run directory."""
-SECTIONS = ("run", "plan", "topology", "layout", "loss", "ranks", "predicted", "restarts", "checkpoints")
+SECTIONS = ("run", "plan", "topology", "layout", "loss", "experts", "ranks", "predicted", "restarts", "checkpoints")
 
 log = logging.getLogger(__name__)
 esc = html.escape
@@ -387,6 +388,25 @@ def section_loss(inp: Inputs) -> str:
                  f"{len(val)} validation points; dashed lines: restarts.{note}")
 
 
+def has_experts(inp: Inputs) -> bool:
+    """Whether the run logged expert load: a dense run's report has no experts section."""
+    return any(isinstance(r.get("expert_tokens"), list) for r in inp.rows or [])
+
+
+def section_experts(inp: Inputs) -> str:
+    load = summed_load(inp.rows or [])
+    if load is None:
+        return missing("No expert load: no logged step carries a well-formed expert_tokens.")
+    layers, experts = len(load.tokens), len(load.tokens[0])
+    worst = max(range(layers), key=load.imbalance)
+    first, last = load.steps
+    return drawn("experts", lambda: expert_load_svg(load, f"tokens per expert over the layer's mean, "
+                                                          f"steps {first}-{last}"),
+                 f"{layers} MoE layer(s) x {experts} experts, summed over the newest {load.rows} logged "
+                 f"step(s) (at most {WINDOW}); white is the mean, red above it, blue below. The most uneven "
+                 f"layer is {worst}: {load.imbalance(worst):.2f}x its mean.")
+
+
 @dataclass
 class RankTiming:
     rank: int
@@ -639,12 +659,12 @@ def section_checkpoints(inp: Inputs) -> str:
 # --- the page ------------------------------------------------------------------------------------
 
 TITLES = {"run": "Run", "plan": "Plan and why", "topology": "Topology", "layout": "Rank layout", "loss": "Loss",
-          "ranks": "Per-rank step time", "predicted": "Predicted against measured", "restarts": "Restarts",
-          "checkpoints": "Checkpoints"}
+          "experts": "Expert load", "ranks": "Per-rank step time", "predicted": "Predicted against measured",
+          "restarts": "Restarts", "checkpoints": "Checkpoints"}
 BUILDERS: dict[str, Callable[[Inputs], str]] = {
     "run": section_run, "plan": section_plan, "topology": section_topology, "layout": section_layout,
-    "loss": section_loss, "ranks": section_ranks, "predicted": section_predicted, "restarts": section_restarts,
-    "checkpoints": section_checkpoints}
+    "loss": section_loss, "experts": section_experts, "ranks": section_ranks, "predicted": section_predicted,
+    "restarts": section_restarts, "checkpoints": section_checkpoints}
 
 STYLE = """
 body { font-family: Helvetica, Arial, sans-serif; margin: 0 auto; max-width: 1200px; padding: 0 16px 48px;
@@ -681,8 +701,9 @@ def build_report(run_path: str | Path) -> str:
     path = Path(run_path)
     inp = read_inputs(path)
     name = (inp.summary.data or {}).get("job") or inp.config.get("name") or path.name
-    nav = "".join(f'<a href="#{n}">{esc(TITLES[n])}</a>' for n in SECTIONS)
-    body = "\n".join(section(n, inp) for n in SECTIONS)
+    shown = [n for n in SECTIONS if n != "experts" or has_experts(inp)]
+    nav = "".join(f'<a href="#{n}">{esc(TITLES[n])}</a>' for n in shown)
+    body = "\n".join(section(n, inp) for n in shown)
     made = time.strftime("%Y-%m-%d %H:%M:%S %z")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(str(name))}: run report</title><style>{STYLE}</style></head><body>"

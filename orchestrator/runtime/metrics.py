@@ -63,6 +63,13 @@ BASELINE_MEMORY = MetricSpec("orchestrator_memory_baseline_bytes", "gauge",
                              "What the rank held before its model was built (interpreter and libraries on CPU).")
 # A gauge, not a counter: it must read 0 before the first restart (a Ray counter cannot be
 # incremented by 0), or a dashboard's restarts panel would be empty for every healthy run.
+EXPERT_IMBALANCE = MetricSpec("orchestrator_expert_imbalance", "gauge",
+                              "An MoE layer's busiest expert's tokens over the layer's mean, last step.",
+                              "expert_imbalance")
+"""Tagged with the layer too: one series per MoE layer and rank. Tokens per expert stay in
+metrics.jsonl and the report's heat map: layers x experts series per rank (14,848 for
+DeepSeek-V3) would outgrow what a Prometheus keeps per job."""
+EXPERT_TAG_KEYS = TAG_KEYS + ("layer",)
 RESTARTS = MetricSpec("orchestrator_restarts", "gauge", "Restarts of the job after a failure so far.")
 
 GAUGE_REFRESH_S = 5.0
@@ -192,8 +199,9 @@ class TrainMetrics:
         which sets the metrics within EXPORT_INTERVAL_S (`flush` does it at once).
 
         Keys it reads: loss, val_loss, tokens_per_s, step_s, exposed_comm_s, mfu, grad_norm,
-        lr, memory_bytes, step. Absent or None keys are skipped (a step without evaluation has
-        no val_loss); memory_bytes, when absent, is measured from this process at export.
+        lr, memory_bytes, step, expert_imbalance (one gauge per MoE layer). Absent or None keys
+        are skipped (a step without evaluation has no val_loss); memory_bytes, when absent, is
+        measured from this process at export.
         """
         with self._lock:
             self._pending.append(result)
@@ -220,6 +228,8 @@ class TrainMetrics:
             elif last.get(spec.step_key) is not None:
                 _set_gauge(spec, TAG_KEYS, float(last[spec.step_key]), self.tags)
         self._metrics["orchestrator_steps_total"][1].inc(float(len(rows)), tags=self.tags)
+        for layer, value in enumerate(last.get("expert_imbalance") or ()):
+            _set_gauge(EXPERT_IMBALANCE, EXPERT_TAG_KEYS, float(value), self.tags | {"layer": str(layer)})
 
 
 def record_restarts(job: str, restarts: int) -> None:
