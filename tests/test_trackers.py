@@ -111,6 +111,23 @@ def test_each_step_is_logged_once_across_a_rewind_and_a_restarted_driver(tmp_pat
     assert [c for c in calls if c[0] == "start"][-1] == ("start", None)
 
 
+def test_an_moe_run_logs_each_layers_imbalance_and_the_most_of_them(tmp_path):
+    cfg = load_config(None, ["monitor.trackers=[tensorboard]", "name=moe"])
+    calls: list = []
+    trackers = Trackers(cfg, RunDir(tmp_path), [].append, make=lambda name, c, r: _Fake(name, calls))
+    state = RunState()
+    state.rows = [{**_row(1), "memory_bytes": 123, "expert_tokens": [[3, 1], [2, 2]], "expert_imbalance": [1.5, 1.0]},
+                  {**_row(2), "memory_bytes": 125, "expert_imbalance": [float("nan"), 1.25]}]
+    trackers.log(state)
+    trackers.close()
+    logged = {c[1]: c[2] for c in calls if c[0] == "metrics"}
+    assert {k: v for k, v in logged[1].items() if k.startswith("expert") or k == "memory_bytes"} == {
+        "memory_bytes": 123, "expert_imbalance/layer_0": 1.5, "expert_imbalance/layer_1": 1.0,
+        "expert_imbalance/max": 1.5}
+    assert logged[2]["expert_imbalance/max"] == 1.25 and "expert_imbalance/layer_0" not in logged[2]
+    assert not any("expert_tokens" in k for values in logged.values() for k in values)
+
+
 def test_a_failing_tracker_is_one_note_the_others_go_on_and_the_loop_never_waits(tmp_path):
     cfg = load_config(None, ["monitor.trackers=[mlflow,tensorboard]"])
     calls: list = []
@@ -312,6 +329,9 @@ def test_a_run_is_logged_to_every_tracker_from_the_driver(tmp_path, mlflow_serve
     assert mlrun.info.run_name == run.name and mlrun.info.status == "FINISHED"
     history = client.get_metric_history(mlrun.info.run_id, "loss")
     assert [(m.step, m.value) for m in history] == losses
+    memory = [(r["step"], r["memory_bytes"]) for r in rows]
+    assert all(isinstance(b, int) and b > 50 * 2**20 for _, b in memory), memory  # rank 0's resident set
+    assert [(m.step, m.value) for m in client.get_metric_history(mlrun.info.run_id, "memory_bytes")] == memory
     assert [m.step for m in client.get_metric_history(mlrun.info.run_id, "val_loss")] == [0, 2, 4]
     assert mlrun.data.params["plan.strategy"] == summary["strategy"] == "ddp"
     assert mlrun.data.params["model.n_embd"] == "32"

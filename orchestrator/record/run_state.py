@@ -14,8 +14,9 @@ from .rundir import RunDir
 from .straggler import StragglerTracker
 
 METRIC_KEYS = ("step", "time", "loss", "lr", "tokens_per_s", "step_s", "exposed_comm_s", "grad_norm", "mfu",
-               "val_loss")
-"""The fields of one metrics.jsonl row."""
+               "val_loss", "memory_bytes")
+"""The fields of one metrics.jsonl row (`memory_bytes`: rank 0's, as `runtime.metrics.process_memory_bytes`
+reads it at the step's end)."""
 EXPERT_LOAD_KEYS = ("expert_tokens", "expert_imbalance")
 """A Mixture-of-Experts run's further fields: tokens per expert per MoE layer in the step, and
 per layer the most an expert got over the mean (`runtime/expert_parallel.expert_load`)."""

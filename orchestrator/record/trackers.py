@@ -34,8 +34,9 @@ TENSORBOARD_DIR = "tensorboard"
 """The run directory's folder of TensorBoard event files."""
 ARTIFACTS = ("plan.json", "summary.json", "report.html", "loss.svg")
 """The run's record files a tracker that stores files is given at the end."""
-STEP_METRICS = ("loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu", "exposed_comm_s")
-"""The fields of a metrics row each step logs (with `val_loss` and `restarts`)."""
+STEP_METRICS = ("loss", "lr", "tokens_per_s", "step_s", "grad_norm", "mfu", "exposed_comm_s", "memory_bytes")
+"""The fields of a metrics row each step logs (with `val_loss`, `restarts` and, for a
+Mixture-of-Experts model, its expert load: `expert_imbalance/max` and `expert_imbalance/layer_N`)."""
 CLOSE_TIMEOUT_S = 180.0
 """How long the end of the run waits for the trackers to finish their uploads (and, in a run
 shorter than that, their imports: MLflow and TensorBoard take tens of seconds on a busy host)."""
@@ -44,6 +45,18 @@ MLFLOW_SHORT_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQ
 for minutes, which would keep the run's end waiting that long before its note."""
 _SECRET_KEY = re.compile(r"secret|token|password|credential", re.IGNORECASE)
 _URL_USER = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def expert_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """A Mixture-of-Experts row's load as tracker metrics: each MoE layer's busiest expert over
+    its mean, and the most of them (tokens per expert stay in metrics.jsonl and report.html)."""
+    imbalance = row.get("expert_imbalance")
+    if not isinstance(imbalance, list) or not imbalance:
+        return {}
+    values = _finite({f"expert_imbalance/layer_{i}": v for i, v in enumerate(imbalance)})
+    if values:
+        values["expert_imbalance/max"] = max(values.values())
+    return values
 
 
 class Tracker(Protocol):
@@ -245,6 +258,7 @@ class Trackers:
         for row in rows:
             values = _finite({k: row.get(k) for k in STEP_METRICS})
             values["restarts"] = float(restarts)
+            values.update(expert_metrics(row))
             if row.get("val_loss") is not None and row["step"] > self._val_logged:
                 values["val_loss"] = float(row["val_loss"])
                 self._val_logged = row["step"]

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from .checkpointer import Checkpointer
 from .messages import Evaluated, RankTimes, Stepped
+from .metrics import process_memory_bytes
 from .outbox import Sink
 from .step_timer import StepTimer
 from .trainer import StepResult, Trainer
@@ -80,6 +81,10 @@ def run_steps(trainer: Trainer, steps: range, timer: StepTimer, validator: Valid
         evaluated = validator.due(completed)
         t_report = time.perf_counter()
         row = step_row(result, timer, completed)
+        if reports:
+            # The memory the run's record and trackers show per step: a host counter on a GPU,
+            # one /proc read on CPU, after the step's end, so nothing waits on it.
+            row["memory_bytes"] = process_memory_bytes(trainer.device)
         if on_step is not None:
             on_step(row)
         if evaluated:
