@@ -191,3 +191,72 @@ def test_a_checkpoint_of_another_model_or_a_model_without_a_layout_is_one_line(t
                                           "Face layout"):
         export_run(run, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def _moe_overrides(args: dict) -> list[str]:
+    return ["model.factory=orchestrator.workloads.moe:build", "model.block_size=16", "model.args.preset=tiny",
+            *(f"model.args.{k}={v}" for k, v in args.items())]
+
+
+MOE_SHAPES = {
+    # DeepSeek-V3's router over Llama's attention: dense first blocks, a shared expert, group-limited
+    # choice, scaled gates and a moved bias, as GLM-4.5 is.
+    "Glm4MoeForCausalLM": {"dim": 48, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "vocab_size": 96,
+                           "ffn_dim": 64, "num_experts": 8, "top_k": 3, "moe_dim": 24, "shared_experts": 1,
+                           "dense_layers": 1, "score_function": "sigmoid", "route_scale": 2.5, "router_groups": 4,
+                           "router_top_groups": 2},
+    # Nothing shared, nothing dense, top-1 (its gate is the bare score, not renormalised).
+    "Glm4MoeForCausalLM-bare": {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "vocab_size": 80,
+                                "num_experts": 4, "top_k": 1, "moe_dim": 16, "shared_experts": 0, "dense_layers": 0,
+                                "score_function": "sigmoid"},
+    "MixtralForCausalLM": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64,
+                           "num_experts": 4, "top_k": 2, "moe_dim": 40, "dense_layers": 0,
+                           "load_balance_coeff": 0.0},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
+def test_the_builtin_moe_exports_as_the_hugging_face_model_its_router_is(tmp_path, shape):
+    from orchestrator.control.export import export_run
+    from orchestrator.workloads.moe import build
+
+    args = MOE_SHAPES[shape]
+    model = _jostled(build("tiny", **args))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias") and args.get("load_balance_coeff", 1e-3) > 0:
+                buffer.copy_(0.05 * torch.randn_like(buffer))  # moved by balancing: it steers the choice
+    run = _run(tmp_path, _moe_overrides(args), model)
+    out = export_run(run, tmp_path / "hf", max_shard_bytes=SHARD)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [shape.split("-")[0]]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in index
+    assert any(k.endswith("e_score_correction_bias") for k in index) == shape.startswith("Glm4Moe")
+    _assert_sharded(out)
+    _assert_same_logits(out, model, args["vocab_size"])
+
+
+def test_an_moe_without_a_hugging_face_layout_is_one_line_naming_its_fields(tmp_path):
+    from orchestrator.control.export import export_run
+    from orchestrator.workloads.moe import build
+
+    run = _run(tmp_path, _moe_overrides({}), build("tiny"))  # softmax with a dense block and a moving bias
+    with pytest.raises(ConfigError, match=r"^key 'model.args': a softmax-routed MoE exports as MixtralForCausalLM "
+                                          r"only with .*; this one has dense_layers=1, load_balance_coeff=0.001 "
+                                          r"\(score_function=sigmoid exports as Glm4MoeForCausalLM\)$"):
+        export_run(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_run_asked_to_export_a_model_without_a_layout_is_refused_before_it_trains(tmp_path, capsys):
+    import time
+
+    started = time.monotonic()
+    code = main(["submit", "jobs/moe-tiny-cpu.yaml", "checkpoint.enabled=true", "checkpoint.export=true",
+                 "model.args.score_function=softmax", f"monitor.runs_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 30
+    assert "key 'model.args': a softmax-routed MoE exports as MixtralForCausalLM only with" in err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()

@@ -135,9 +135,9 @@ def submit_job(cfg, resume_dir: str | None = None, model_fn=None, job: str | Non
     # soft_wrap: a log file or CI keeps long lines (paths) whole instead of folding at 80 columns
     console = Console(soft_wrap=True)
     if cfg.checkpoint.export:
-        from ..control.export import require_safetensors
+        from ..control.export import check_exportable
 
-        require_safetensors()  # refused before training, not after it
+        check_exportable(cfg.model)  # refused before training, not after it
     need_cpus = cfg.cluster.num_workers * cfg.cluster.cpus_per_worker
     if cfg.parallel.calibration:
         from ..planning.calibration import load as load_calibration

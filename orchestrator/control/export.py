@@ -243,6 +243,17 @@ def latest_checkpoint(root: str) -> str:
     return found[0]
 
 
+def check_exportable(model_config: ModelConfig) -> None:
+    """ConfigError, before a run with `checkpoint.export` trains, where its model has no
+    Hugging Face layout (the same check `export` makes at the end, on the model built on meta)."""
+    require_safetensors()
+    if model_config.hf_config is None and model_config.factory == GPT_FACTORY:
+        return
+    from . import hf_export
+
+    hf_export.layout(model_config, model_config.block_size)
+
+
 def export_run(run_dir: str | os.PathLike, out: str | os.PathLike, checkpoint_path: str | None = None,
                force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Export a run's final (or the given) checkpoint into the directory `out`: the built-in

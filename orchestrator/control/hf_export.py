@@ -1,5 +1,7 @@
 """A run's weights as a Hugging Face checkpoint, written one shard file at a time: the built-in
-Llama as `LlamaForCausalLM`, a `model.hf_config` model in its own layout.
+Llama as `LlamaForCausalLM`, the built-in MoE as `Glm4MoeForCausalLM` or `MixtralForCausalLM`
+(whichever its router is exactly, `moe_architecture`), a `model.hf_config` model in its own
+layout.
 
 The model is built on the meta device, which gives every tensor's name, shape and dtype and
 allocates nothing. Its tensors are dealt, in state-dict order, into files of at most
@@ -12,11 +14,14 @@ loads `model.hf_weights` by them), so its checkpoint's canonical names are the f
 a tied output head is held once, under the embedding's name, which is where Hugging Face saves
 it too. The built-in Llama's modules are Hugging Face Llama's under other names, and
 `LLAMA_TO_HF` renames them; its rotary form is already the half-split one Hugging Face uses,
-so no weight is permuted.
+so no weight is permuted. The built-in MoE is Llama's attention with routed SwiGLU experts held
+as `[E, F, D]` weights, as Hugging Face's MoE models hold theirs, except that Hugging Face joins
+each layer's gate and up projections into one `gate_up_proj` `[E, 2F, D]` (gate first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -37,6 +42,7 @@ from ..runtime.materialize import build_on_meta
 from ..runtime.state_names import tied_aliases
 
 LLAMA_FACTORY = "orchestrator.workloads.llama:build"
+MOE_FACTORY = "orchestrator.workloads.moe:build"
 INDEX = "model.safetensors.index.json"
 MODEL_SECTION = "model"
 """The checkpoint's section holding the model's state (beside `optimizer`)."""
@@ -58,17 +64,25 @@ class ExportedTensor:
     """One tensor of the exported model."""
 
     checkpoint_name: str
-    """Its canonical name in the checkpoint's model section."""
+    """Its canonical name in the checkpoint's model section (the first part, where joined)."""
     hf_name: str
     """Its name in the Hugging Face checkpoint."""
     shape: tuple[int, ...]
-    """Its shape, the same in both."""
+    """Its shape in the checkpoint (each part's, where joined)."""
     dtype: torch.dtype
     """Its dtype as trained (the checkpoint's master weights)."""
+    joined: tuple[str, ...] = ()
+    """Further checkpoint tensors of the same shape joined after it along dim 1: an MoE
+    layer's gate and up projections, which Hugging Face holds as one `gate_up_proj`."""
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The checkpoint tensors it is made of, in order."""
+        return (self.checkpoint_name, *self.joined)
 
     @property
     def nbytes(self) -> int:
-        return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+        return self.dtype.itemsize * int(torch.Size(self.shape).numel()) * len(self.parts)
 
 
 @dataclass(frozen=True)
@@ -98,6 +112,93 @@ def tensors_of(model: nn.Module, rename: Callable[[str], str] = str) -> tuple[Ex
                  for name, value in model.state_dict().items() if name not in aliases)
 
 
+def moe_hf_names(architecture: str) -> Callable[[str], str | None]:
+    """Hugging Face's name of each built-in MoE tensor in `architecture`'s layout (None: a tensor
+    that layout does not hold, Mixtral's all-zero expert bias); the attention, norms and dense
+    blocks are named as Llama's."""
+    moe_renames = (
+        (r"layers\.(\d+)\.feed_forward\.router\.gate\.", r"model.layers.\1.mlp.gate."),
+        (r"layers\.(\d+)\.feed_forward\.experts\.w1$", r"model.layers.\1.mlp.experts.gate_up_proj"),
+        (r"layers\.(\d+)\.feed_forward\.experts\.w2$", r"model.layers.\1.mlp.experts.down_proj"),
+        (r"layers\.(\d+)\.feed_forward\.shared_experts\.", r"model.layers.\1.mlp.shared_experts."),
+        (r"layers\.(\d+)\.feed_forward\.expert_bias$", r"model.layers.\1.mlp.gate.e_score_correction_bias"),
+    )
+
+    def rename(name: str) -> str | None:
+        if name.endswith("feed_forward.expert_bias") and architecture == "MixtralForCausalLM":
+            return None
+        for pattern, replacement in moe_renames:
+            renamed, count = re.subn(f"^{pattern}", replacement, name)
+            if count:
+                return renamed
+        return llama_hf_name(name)
+
+    return rename
+
+
+def moe_architecture(cfg: Any) -> str:
+    """The Hugging Face model the built-in MoE of shape `cfg` is exactly: DeepSeek-V3's sigmoid
+    router over Llama's attention is GLM-4.5's (`Glm4MoeForCausalLM`); a plain softmax router
+    with no dense blocks, shared experts or bias is Mixtral's. ConfigError naming what else."""
+    if cfg.score_function == "sigmoid":
+        if cfg.router_groups > 1 and cfg.num_experts // cfg.router_groups < 2:
+            raise ConfigError(f"key 'model.args.router_groups': {cfg.router_groups} groups of one expert have no "
+                              f"Hugging Face layout (Glm4MoeForCausalLM scores a group by its best two experts)")
+        return "Glm4MoeForCausalLM"
+    mixtral = {"dense_layers": 0, "shared_experts": 0, "route_norm": True, "route_scale": 1.0, "router_groups": 1,
+               "load_balance_coeff": 0.0}
+    differ = [f"{k}={getattr(cfg, k)}" for k, v in mixtral.items() if getattr(cfg, k) != v]
+    if cfg.top_k < 2:
+        differ.append(f"top_k={cfg.top_k}")
+    if differ:
+        raise ConfigError(
+            f"key 'model.args': a softmax-routed MoE exports as MixtralForCausalLM only with dense_layers=0, "
+            f"shared_experts=0, route_norm=true, route_scale=1, router_groups=1, load_balance_coeff=0 and top_k>=2; "
+            f"this one has {', '.join(differ)} (score_function=sigmoid exports as Glm4MoeForCausalLM)")
+    return "MixtralForCausalLM"
+
+
+def moe_layout(model: nn.Module, block_size: int, eos_id: int | None) -> HFLayout:
+    """The built-in MoE's Hugging Face layout (`moe_architecture`): Llama's names for what is
+    Llama's, each expert set's gate and up projections joined as `gate_up_proj`."""
+    import transformers
+
+    cfg = model.cfg
+    architecture = moe_architecture(cfg)
+    common: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_width,
+        "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": block_size, "hidden_act": "silu",
+        "tie_word_embeddings": False, "num_experts_per_tok": cfg.top_k, "eos_token_id": eos_id,
+        "architectures": [architecture], "dtype": torch.float32,
+    }
+    if architecture == "MixtralForCausalLM":
+        config: Any = transformers.MixtralConfig(
+            **common, intermediate_size=cfg.moe_dim, num_local_experts=cfg.num_experts,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            router_jitter_noise=0.0)
+    else:
+        config = transformers.Glm4MoeConfig(
+            **common, intermediate_size=cfg.ffn_dim, moe_intermediate_size=cfg.moe_dim,
+            n_routed_experts=cfg.num_experts, n_shared_experts=cfg.shared_experts,
+            first_k_dense_replace=cfg.dense_layers, n_group=cfg.router_groups, topk_group=cfg.router_top_groups,
+            # Ours normalises top-k gates only where there are several; Hugging Face's always.
+            norm_topk_prob=cfg.route_norm and cfg.top_k > 1, routed_scaling_factor=cfg.route_scale,
+            attention_bias=False, use_qk_norm=False, num_mtp_layers=0,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0})
+    rename = moe_hf_names(architecture)
+    tensors = []
+    for t in tensors_of(model):
+        if t.checkpoint_name.endswith("experts.w3"):
+            continue  # joined into its layer's gate_up_proj
+        hf_name = rename(t.checkpoint_name)
+        if hf_name is None:
+            continue
+        joined = (t.checkpoint_name[:-2] + "w3",) if t.checkpoint_name.endswith("experts.w1") else ()
+        tensors.append(dataclasses.replace(t, hf_name=hf_name, joined=joined))
+    return HFLayout(config, tuple(tensors))
+
+
 def layout(model_config: ModelConfig, block_size: int, eos_id: int | None = None) -> HFLayout:
     """The Hugging Face layout of the run's model: the built-in Llama's or a `model.hf_config`
     model's own; ConfigError for any other model. `block_size`: the trained context length,
@@ -106,10 +207,12 @@ def layout(model_config: ModelConfig, block_size: int, eos_id: int | None = None
     if model_config.hf_config is not None and not Path(model_config.hf_config).is_file():
         raise ConfigError(f"key 'model.hf_config': the run was trained from {model_config.hf_config}, "
                           f"which no longer exists; export needs it")
-    if model_config.hf_config is None and model_config.factory != LLAMA_FACTORY:
+    if model_config.hf_config is None and model_config.factory not in (LLAMA_FACTORY, MOE_FACTORY):
         raise ConfigError(f"key 'model.factory': {model_config.factory} has no Hugging Face layout; export writes "
-                          f"the built-in GPT and Llama and any model.hf_config model")
+                          f"the built-in GPT, Llama and MoE and any model.hf_config model")
     model = build_on_meta(model_config)  # the runtime's own build; the weights are the checkpoint's
+    if model_config.factory == MOE_FACTORY and model_config.hf_config is None:
+        return moe_layout(model, block_size, eos_id)
     if model_config.hf_config is not None:
         config = model.config
         with open(model_config.hf_config) as f:
@@ -176,7 +279,7 @@ def shard_files(tensors: tuple[ExportedTensor, ...], max_shard_bytes: int) -> li
 def write(checkpoint: str, hf: HFLayout, out: Path, max_shard_bytes: int) -> None:
     """Write the weights of `checkpoint` into the directory `out` as `hf` lays them out:
     `model-0000N-of-0000M.safetensors`, `model.safetensors.index.json` and config.json."""
-    check_fits(checkpoint, {t.checkpoint_name: t.shape for t in hf.tensors}, type(hf.config).__name__)
+    check_fits(checkpoint, {name: t.shape for t in hf.tensors for name in t.parts}, type(hf.config).__name__)
     files = shard_files(hf.tensors, max_shard_bytes)
     file_of = {t.hf_name: index for index, tensors in enumerate(files, start=1) for t in tensors}
     weight_map: dict[str, str] = {}
@@ -187,9 +290,10 @@ def write(checkpoint: str, hf: HFLayout, out: Path, max_shard_bytes: int) -> Non
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
         warnings.filterwarnings("ignore", message=".*save in a single process.*")
         for tensors in files:
-            held = {t.checkpoint_name: torch.empty(t.shape, dtype=t.dtype) for t in tensors}
+            held = {name: torch.empty(t.shape, dtype=t.dtype) for t in tensors for name in t.parts}
             dcp.load({MODEL_SECTION: held}, checkpoint_id=checkpoint, no_dist=True)
-            dcp.save({t.hf_name: held[t.checkpoint_name] for t in tensors},
+            dcp.save({t.hf_name: torch.cat([held[n] for n in t.parts], dim=1) if t.joined else held[t.checkpoint_name]
+                      for t in tensors},
                      storage_writer=HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=file_of), no_dist=True)
             # The writer's index lists the file it has just written; the whole index is their union.
             index = json.loads((out / INDEX).read_text())
