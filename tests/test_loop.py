@@ -27,6 +27,7 @@ class _Trainer:
                                     model=SimpleNamespace(flops_per_step=4e9, mfu_peak_tflops_per_rank=20.0))
         self.compiled = compiled
         self.accum = 2
+        self.device = torch.device("cpu")
         self.trained: list[int] = []
 
     def train_step(self, step: int) -> StepResult:
@@ -74,7 +75,8 @@ def test_the_loop_sends_the_baseline_every_row_and_timings_in_batches_and_evalua
     # 0.1 s step - 0.02 s update - 2 micro-steps x 0.03 s compute; MFU: 2e9 FLOPs in 0.1 s of 20 TFLOP/s.
     assert rows[0]["exposed_comm_s"] == pytest.approx(0.02) and rows[0]["mfu"] == pytest.approx(1e-3)
     assert set(rows[0]) == {"step", "loss", "lr", "step_s", "tokens_per_s", "grad_norm", "exposed_comm_s",
-                            "val_loss", "time", "mfu"}
+                            "val_loss", "time", "mfu", "memory_bytes"}
+    assert all(isinstance(r["memory_bytes"], int) and r["memory_bytes"] > 0 for r in rows)  # rank 0's, each step
     times = [m for m in sink.sent if isinstance(m, RankTimes)]
     assert [len(t.times) for t in times] == [TIMES_BATCH, 12 - TIMES_BATCH] and times[0].rank == 0
     assert times[0].times[0] == (0.1, pytest.approx(0.02))
