@@ -264,11 +264,9 @@ class Trainer:
         return self.sequence.take(x), self.sequence.take(y)
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        reduction = self._start_global_mean(value)
-        reduction.wait()
-        return reduction.read()
+        return self._start_global_mean(value).read()
 
-    def _start_global_mean(self, value: torch.Tensor) -> "_PendingMean":
+    def _start_global_mean(self, value: torch.Tensor) -> _PendingMean:
         """Start summing `value` over the world; `wait` then `read` give the mean.
 
         gloo has no AVG: sum then divide. Every rank of a tp group holds the same value, so the
