@@ -108,3 +108,15 @@ class AccumSync(Choice):
     auto = "auto"
     per_micro_step = "per_micro_step"
     last_micro_step = "last_micro_step"
+
+
+class CpAttention(Choice):
+    """How attention sees the whole sequence under context parallelism (cp > 1):
+    `allgather_kv` all-gathers K and V over the cp group (any head count; what it moves grows
+    with cp); `ulysses` trades sequence for heads with all-to-alls (DeepSpeed-Ulysses: what it
+    moves stays (cp-1)/cp of a rank's q, k, v and output at any cp), where the rank's attention
+    heads divide by cp."""
+
+    auto = "auto"
+    allgather_kv = "allgather_kv"
+    ulysses = "ulysses"

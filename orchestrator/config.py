@@ -17,7 +17,16 @@ from typing import Any, Dict, List, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
+from .choices import (
+    AccumSync,
+    Compression,
+    CpAttention,
+    PipelineSchedule,
+    Precision,
+    Recompute,
+    Strategy,
+    SyncAlgorithm,
+)
 from .errors import ConfigError
 from .sequence_split import ALLOWED_UP_TO, allowed_cps, sequence_split_problem
 
@@ -133,6 +142,11 @@ class ParallelConfig:
     (the mesh axis between dp_shard and tp; FSDP then shards over dp_shard x cp). `auto` lets
     the planner choose: it searches cp from 8,192 tokens, inside the NVLink island first.
     `model.block_size` must divide by 2 x cp."""
+    cp_attention: CpAttention = CpAttention.auto
+    """How attention sees the whole sequence under cp > 1: `allgather_kv` (K and V all-gathered
+    over the cp group; any head count), `ulysses` (head all-to-alls, DeepSpeed-Ulysses; the
+    rank's attention heads, after tensor parallelism, must divide by cp) or `auto`: the
+    planner prices both on the cp group's links and keeps the faster."""
     ep: Union[int, str] = "auto"
     """Expert-parallel degree of a Mixture-of-Experts model: ranks each MoE layer's experts
     are split over, borrowed from dp_shard x cp x tp (the rest shards each expert). `auto`

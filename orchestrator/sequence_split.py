@@ -25,3 +25,21 @@ def sequence_split_problem(cp: int, seq_len: int) -> str | None:
                 f"chunks); model.block_size is {seq_len}")
     return None
 
+
+
+def ulysses_problem(heads: int, kv_heads: int, cp: int) -> str | None:
+    """Why a rank with `heads` query and `kv_heads` K/V heads (after tensor parallelism) cannot
+    attend through a head all-to-all over `cp` ranks, in one line; None when it can. Each rank
+    must get whole heads: the query heads divide by cp, and the K/V heads either divide by cp
+    or are repeated to the query heads' count (grouped-query attention)."""
+    if heads % cp:
+        return f"ulysses attention needs the rank's {heads} attention heads to divide by cp={cp}"
+    if kv_heads <= 0 or heads % kv_heads:
+        return f"ulysses attention needs the {heads} attention heads to divide by the {kv_heads} K/V heads"
+    return None
+
+
+def ulysses_kv_heads(heads: int, kv_heads: int, cp: int) -> int:
+    """The K/V heads a rank's Ulysses all-to-alls move: its own where they divide by cp, else
+    repeated to its query heads' count."""
+    return kv_heads if kv_heads % cp == 0 else heads

@@ -11,7 +11,7 @@ checkpoint written under another cp was loaded into a freshly initialised replic
 
 The same world then runs the real `Trainer` (data, step, loss, evaluation, checkpoint) under a
 cp=1 plan and a cp=2 plan of each model: the same losses, and each resumes the other's checkpoint;
-and under pp=2 x cp=2, the same losses again.
+and under pp=2 x cp=2 and cp=2 through Ulysses' head all-to-all, the same losses again.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from orchestrator.choices import CpAttention
 from orchestrator.config import load_config
 from orchestrator.control.preflight import measure_model
 from orchestrator.planning import Plan, plan_job
@@ -94,8 +95,10 @@ class Case:
         return None if self.ex.autocast is None else PARAM_DTYPES[str(self.ex.autocast)]
 
 
-def _ex(strategy: str, mesh: Mesh, recompute: str = "none", precision: str = "fp32") -> Execution:
-    return resolve(strategy, mesh, precision=precision, device="cpu", max_steps=STEPS, recompute=recompute)
+def _ex(strategy: str, mesh: Mesh, recompute: str = "none", precision: str = "fp32",
+        attention: str = "allgather_kv") -> Execution:
+    return resolve(strategy, mesh, precision=precision, device="cpu", max_steps=STEPS, recompute=recompute,
+                   cp_attention=attention)
 
 
 CASES = [
@@ -114,6 +117,15 @@ CASES = [
     Case("llama_bf16_cp2", "llama", _ex("zero3", Mesh(dp_shard=2, cp=2), precision="bf16"), accum=1,
          loss_tolerance=1e-2, norm_tolerance=0.1, grad_tolerance=5e-3),
     Case("hf_llama_cp2", "hf_llama", _ex("zero3", Mesh(dp_shard=2, cp=2)), accum=1),
+    # Ulysses' head all-to-all: the GPT's 4 heads, one per rank at cp=4, with its checkpoint resumed
+    # under the all-gather; Llama's 2 K/V heads split by tp=2 leave one a rank, repeated to its 2
+    # query heads for cp=2; and a Hugging Face Llama through the attention registry.
+    Case("gpt_ulysses_cp4", "gpt", _ex("zero3", Mesh(cp=4), attention="ulysses"), accum=2, checkpoint=True),
+    Case("gpt_cp2_from_ulysses", "gpt", _ex("zero3", Mesh(dp_shard=2, cp=2)), accum=2,
+         resume_from="gpt_ulysses_cp4"),
+    Case("llama_ulysses_tp_cp2", "llama", _ex("zero3", Mesh(cp=2, tp=2), recompute="selective",
+                                             attention="ulysses"), accum=1),
+    Case("hf_llama_ulysses_cp2", "hf_llama", _ex("zero3", Mesh(dp_shard=2, cp=2), attention="ulysses"), accum=1),
 ]
 
 
@@ -258,7 +270,7 @@ TRAINER_MODELS = {
 TRAINER_CPS = (1, 2)
 
 
-def _trainer(model: str, cp: int, pp: int = 1) -> Trainer:
+def _trainer(model: str, cp: int, pp: int = 1, attention: str = "allgather_kv") -> Trainer:
     """The Trainer of the zero3 plan over 4 ranks in `pp` stages (1F1B), its dp_shard x cp split
     as dp_shard=4/pp/cp x cp (each data-parallel rank then takes cp times the samples, in
     micro-batches cp times larger)."""
@@ -266,20 +278,28 @@ def _trainer(model: str, cp: int, pp: int = 1) -> Trainer:
     cfg = load_config(None, [*TRAINER_MODELS[model], *TRAINER_COMMON, *pipeline])
     plan = plan_job(cfg, ClusterTopology(nodes=[cpu_node(WORLD)]), measure_model(cfg))
     mesh = replace(plan.mesh, dp_shard=plan.mesh.dp_shard // cp, cp=cp)
-    plan = replace(plan, execution=replace(plan.execution, mesh=mesh), micro_batch_size=plan.micro_batch_size * cp)
+    plan = replace(plan, execution=replace(plan.execution, mesh=mesh, cp_attention=CpAttention(attention)),
+                   micro_batch_size=plan.micro_batch_size * cp)
     return Trainer(cfg, Plan.from_dict(plan.to_dict()), torch.device("cpu"))
 
 
 def _trainer_runs(root: str) -> dict:
     """{"model cp=N": {"loss S": ..., "val": ...}} of a whole run, {"model cp=N<cp=M": ...} of the
     steps after the checkpoint cp=M wrote, resumed under cp=N, and {"model pp=2 cp=2": ...} of a
-    whole run in two pipeline stages."""
+    whole run in two pipeline stages, and {"model cp=2 ulysses": ...} of one attending through
+    Ulysses' head all-to-all."""
     out: dict = {}
     for model in TRAINER_MODELS:
         tr = _trainer(model, cp=2, pp=2)
         tr.start()
         out[f"{model} pp=2 cp=2"] = {f"loss {step}": tr.train_step(step).loss for step in range(TRAINER_STEPS)}
         out[f"{model} pp=2 cp=2"]["val"] = tr.evaluate()
+        del tr
+        gc.collect()
+        tr = _trainer(model, cp=2, attention="ulysses")
+        tr.start()
+        out[f"{model} cp=2 ulysses"] = {f"loss {step}": tr.train_step(step).loss for step in range(TRAINER_STEPS)}
+        out[f"{model} cp=2 ulysses"]["val"] = tr.evaluate()
         del tr
         gc.collect()
         for cp in TRAINER_CPS:

@@ -1,12 +1,15 @@
 """Context parallelism trains exactly like one process: head-tail sequence shards, their
-positions and labels, the all-gather-KV attention, and the runtime around them.
+positions and labels, the all-gather-KV and Ulysses attentions, and the runtime around them.
 
 The quick tests check the sharding's numbers in-process. One launch of 4 gloo ranks
 (tests/_cp_parity_worker.py) trains the built-in GPT and Llama at cp=2 and cp=4, with zero3,
 DDP, HSDP and tp=2, and a Hugging Face Llama at cp=2 through transformers' attention registry,
 and compares each with one process on the same global batches: loss and clipped gradient norm
 at every step, the whole first gradients, and a resume from a checkpoint written under another
-cp; then the real Trainer under cp=1, cp=2 and pp=2 x cp=2, each cp resuming the other's checkpoint.
+cp; Ulysses' head all-to-all at cp=4 and cp=2 x tp=2 (K/V heads repeated) and through the
+registry; then the real Trainer under cp=1, cp=2, pp=2 x cp=2 and cp=2 through Ulysses, each cp
+resuming the other's checkpoint. Each attention alone (tests/_cp_attention_worker.py) matches
+whole-sequence attention's output and gradients at cp=4.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib.util
 import json
 import re
 
+import _cp_attention_worker as aw
 import _cp_parity_worker as cw
 import pytest
 import torch
@@ -127,6 +131,24 @@ def test_attention_without_the_hook_is_refused_naming_the_module() -> None:
         apply_context_parallel(_Model(), _FakeMesh())  # type: ignore[arg-type]
 
 
+# (B, H, H_kv, T, D) at cp=4: multi-head (H_kv divides by cp), grouped-query with 2 query heads per
+# K/V head (H_kv divides by cp), K/V heads repeated to the query heads (2 K/V heads, cp=4), and 6 heads
+# that Ulysses cannot split 4 ways.
+ATTENTION_SHAPES = [[2, 8, 8, 32, 4], [1, 8, 4, 32, 8], [1, 4, 2, 16, 8], [1, 6, 2, 16, 4]]
+
+
+@pytest.mark.slow
+def test_each_context_parallel_attention_matches_whole_sequence_attention_forward_and_backward(tmp_path) -> None:
+    out = tmp_path / "attention.json"
+    mp.spawn(aw.run_rank, args=(4, str(tmp_path / "init"), str(out), ATTENTION_SHAPES), nprocs=4, join=True)
+    got = json.loads(out.read_text())
+    refused = "ulysses B1 H6 kv2 T16 D4"
+    assert got.pop(refused) == "ulysses attention needs the rank's 6 attention heads to divide by cp=4"
+    assert len(got) == 2 * len(ATTENTION_SHAPES) - 1
+    for key, error in got.items():
+        assert error <= 5e-6, f"{key}: output or gradients differ from whole-sequence attention by {error}"
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cp_parity")
@@ -157,9 +179,9 @@ def test_context_parallel_trains_like_one_process(results) -> None:
 
 @pytest.mark.slow
 def test_a_checkpoint_resumes_exactly_under_another_cp(results) -> None:
-    # cp=2 -> cp=1 and cp=1 -> cp=4 for the GPT; cp=2 x tp=2 -> cp=4 for Llama.
+    # cp=2 -> cp=1 and cp=1 -> cp=4 for the GPT; cp=2 x tp=2 -> cp=4 for Llama; Ulysses' cp=4 -> cp=2.
     resumed = {n: c for n, c in CASES.items() if c.resume_from}
-    assert {CASES[c.resume_from].ex.mesh.cp for c in resumed.values()} == {1, 2}
+    assert {CASES[c.resume_from].ex.mesh.cp for c in resumed.values()} == {1, 2, 4}
     for name in resumed:
         got = results[name]
         assert abs(got["resumed_loss"] - got["reference"]["losses"][-1]) <= 1e-5, name
@@ -171,7 +193,7 @@ def test_the_trainer_under_cp_runs_and_resumes_as_under_cp_1(results) -> None:
     for model in cw.TRAINER_MODELS:
         whole = runs[f"{model} cp=1"]
         assert set(whole) == {*(f"loss {s}" for s in range(cw.TRAINER_STEPS)), "val"}
-        for split in ("cp=2", "pp=2 cp=2"):
+        for split in ("cp=2", "pp=2 cp=2", "cp=2 ulysses"):
             got = runs[f"{model} {split}"]
             for key in whole:
                 assert abs(whole[key] - got[key]) <= 1e-5, f"{model} {key}: {split} {got[key]} vs cp=1 {whole[key]}"

@@ -10,18 +10,27 @@ a small Mixtral-shaped model on a PCIe-only box, where the FSDP-only experts are
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_planning_cost_terms import FP32, candidate, laid_out
 from test_planning_cost_terms import context as dense_context
 
-from orchestrator.choices import Recompute, Strategy
+from orchestrator.choices import CpAttention, Recompute, Strategy
 from orchestrator.config import load_config
+from orchestrator.control.preflight import measure_model
 from orchestrator.errors import ConfigError, PlanError
 from orchestrator.planning import plan_job
-from orchestrator.planning.activations import context_shard, gathered_kv_bytes, routed_activation_bytes
+from orchestrator.planning.activations import (
+    context_shard,
+    gathered_kv_bytes,
+    routed_activation_bytes,
+    ulysses_kept_bytes,
+    ulysses_tensor_bytes,
+)
 from orchestrator.planning.comm import GroupLinks, group_all_to_all
 from orchestrator.planning.cost import (
     ComputeTerm,
@@ -39,8 +48,9 @@ from orchestrator.planning.mesh import Mesh
 from orchestrator.planning.model_math import ModelShape, block_params, routed_params, tp_param_split
 from orchestrator.planning.model_spec import ExpertSpec, ModelSpec
 from orchestrator.planning.traffic import predicted_traffic
+from orchestrator.sequence_split import ulysses_problem
 from orchestrator.topology.files import load_topology_file
-from orchestrator.topology.model import Network
+from orchestrator.topology.model import ClusterTopology, Network, cpu_node
 
 ROOT = Path(__file__).resolve().parent.parent
 NVSWITCH = ROOT / "conf" / "topologies" / "h100-8gpu-nvswitch.txt"
@@ -243,13 +253,14 @@ def test_llama3_8b_at_131k_tokens_on_four_dgx_nodes_plans_cp_inside_the_nodes():
                                   ["model.block_size=131072", "parallel.cp=1"]), _dgx(4), LLAMA3_8B_131K)
     assert not forced.fits and forced.memory_per_rank.total > 200e9 and forced.mesh.cp == 1
     assert "without the forced choices" in forced.reason and "cp=" in forced.reason
-    # What a rehearsal compares: each attention layer gathers 2 x 131,072 x 8 K/V heads x 128 x 2 B
-    # (536,870,912 B) per micro-batch, twice under recomputation, and reduce-scatters the gradient once.
+    # What a rehearsal compares: each attention layer gathers K and V, one call each of 131,072 x 8 K/V
+    # heads x 128 x 2 B (268,435,456 B) per micro-batch, twice under recomputation, and reduce-scatters
+    # their gradients once.
     rows = {(t.op, t.axis): t for t in predicted_traffic(job_context(cfg, _dgx(4), LLAMA3_8B_131K), plan)}
     gathers = rows[("all_gather", "cp")]
-    assert gathers.bytes == gathers.count * 536870912 * plan.micro_batch_size
-    assert gathers.count == plan.grad_accum_steps * 32 * (1 if plan.recompute == Recompute.none else 2)
-    assert rows[("reduce_scatter", "cp")].count == plan.grad_accum_steps * 32
+    assert gathers.bytes == gathers.count * 268435456 * plan.micro_batch_size
+    assert gathers.count == 2 * plan.grad_accum_steps * 32 * (1 if plan.recompute == Recompute.none else 2)
+    assert rows[("reduce_scatter", "cp")].count == 2 * plan.grad_accum_steps * 32
     assert ("reduce_scatter", "dp_shard_cp") in rows
 
 
@@ -327,3 +338,79 @@ def test_cp_crosses_islands_only_where_nothing_inside_one_fits_and_says_why():
     text = "\n".join(plan.explanation)
     assert "cp across NVLink islands: no plan with its groups inside one island of 4 devices fits" in text
     assert "cp: NVLink island (4 per node) and NIC across" in text
+
+
+def test_ulysses_term_trades_q_k_v_and_the_output_forward_and_backward_per_layer():
+    mesh = Mesh(1, 1, 1, cp=2)
+    ctx = dense_context(on_gpu=True)
+    term = context_parallel_term(ctx, laid_out(mesh, {"cp": 2}),
+                                 candidate(mesh, Strategy.zero3, cp_attention=CpAttention.ulysses))
+    # A rank's q (and k, v, output): 1 x 500 tokens x 10 heads x 100 x 4 B = 2e6 B; each all-to-all
+    # sends half of it to the other rank inside the node (10 GB/s, 1 us): 8 us launch + 1 us + 1e6 B /
+    # 10e9 = 109 us. Four forward and four backward per block, 3 blocks: 24 x 109 us, unhidden.
+    assert term.parts == {"cp head all-to-all": pytest.approx(24 * 109e-6)}
+    assert term.exposed_s == pytest.approx((24 * 109e-6,))
+    # Recomputed attention trades the forward four again.
+    again = context_parallel_term(ctx, laid_out(mesh, {"cp": 2}), replace(
+        candidate(mesh, Strategy.zero3, cp_attention=CpAttention.ulysses),
+        choice=SimpleNamespace(mesh=mesh, micro_batch=1, recompute=Recompute.selective)))
+    assert again.parts == {"cp head all-to-all": pytest.approx(36 * 109e-6)}
+
+
+def test_ulysses_repeats_k_v_heads_that_do_not_divide_by_cp_and_keeps_no_gathered_kv():
+    shape = dense_context(on_gpu=True).shape
+    assert ulysses_tensor_bytes(shape, 1, 1, 2, 4) == (2e6, 2e6)
+    # The kernel keeps the head-layout tensors, the sizes of the sequence-layout ones: nothing
+    # more kept; one layer's send and receive copies of q, k, v and the output are the transient.
+    assert ulysses_kept_bytes(shape, 1, 1, 2, "none", 4, 3) == (0.0, 8e6)
+    # 2 K/V heads at cp=5 are repeated to the 10 query heads: 200 tokens x 8 more heads x 100 x 4 B
+    # for each of k and v, kept by each of 3 blocks without recomputation.
+    gqa = ModelShape.from_spec(replace(SMALL_MOE, experts=None, kv_heads=2))
+    assert ulysses_tensor_bytes(gqa, 1, 1, 5, 4) == (8e5, 8e5)
+    assert ulysses_kept_bytes(gqa, 1, 1, 5, "none", 4, 3) == (3 * 2 * 200 * 8 * 100 * 4, 4 * 8e5)
+    assert ulysses_kept_bytes(gqa, 1, 1, 5, "full", 4, 3)[0] == 0.0
+    assert ulysses_problem(10, 2, 4) == "ulysses attention needs the rank's 10 attention heads to divide by cp=4"
+    assert ulysses_problem(10, 2, 5) is None and ulysses_problem(8, 3, 2) is not None
+
+
+def test_the_search_prices_both_attentions_and_keeps_ulysses_where_k_v_heads_are_many():
+    cfg = load_config(ROOT / "jobs" / "llama3-8b-dgx-h100.yaml", ["model.block_size=131072"])
+    mha = replace(LLAMA3_8B_131K, kv_heads=32)  # Llama 2's multi-head attention at Llama 3's size
+    plan = plan_job(cfg, _dgx(4), mha)
+    assert plan.fits and plan.mesh.cp > 1 and plan.execution.cp_attention == CpAttention.ulysses
+    line = next(line for line in plan.explanation if line.startswith("context-parallel attention"))
+    assert re.fullmatch(r"context-parallel attention: ulysses \([\d.]+ ms per step\), faster than allgather_kv "
+                        r"\([\d.]+ ms per step\) on the cp group's links", line), line
+    assert plan.to_dict()["execution"]["cp_attention"] == "ulysses"
+    # What a rehearsal compares: 8 all-to-alls per attention layer and micro-batch (12 recomputed), of
+    # the rank's q, k, v and output: 131,072 / cp tokens x 32 heads x 128 x 2 B each; no K/V gather.
+    rows = {(t.op, t.axis): t for t in predicted_traffic(job_context(cfg, _dgx(4), mha), plan)}
+    passes = plan.grad_accum_steps * 32 * (2 if plan.recompute == Recompute.none else 3)
+    trades = rows[("all_to_all", "cp")]
+    assert trades.count == 4 * passes
+    assert trades.bytes == passes * 4 * plan.micro_batch_size * 131072 // plan.mesh.cp * 32 * 128 * 2
+    assert ("all_gather", "cp") not in rows
+    # Llama 3's 8 K/V heads: the all-gather moves little more, is simpler, and is kept; the line says
+    # what each costs. Forced, Ulysses is planned and said so.
+    gqa = plan_job(cfg, _dgx(4), LLAMA3_8B_131K)
+    assert gqa.execution.cp_attention == CpAttention.allgather_kv and "cp_attention" not in gqa.to_dict()["execution"]
+    assert any(re.fullmatch(r"context-parallel attention: allgather_kv \([\d.]+ ms per step\)(, faster than| over) "
+                            r"ulysses .*", line) for line in gqa.explanation), gqa.explanation
+    forced = plan_job(load_config(ROOT / "jobs" / "llama3-8b-dgx-h100.yaml",
+                                  ["model.block_size=131072", "parallel.cp_attention=ulysses"]), _dgx(4),
+                      LLAMA3_8B_131K)
+    assert forced.execution.cp_attention == CpAttention.ulysses
+    assert any(line.startswith("context-parallel attention: ulysses (parallel.cp_attention=ulysses; ")
+               for line in forced.explanation)
+
+
+def test_ulysses_that_cannot_split_the_heads_and_a_typo_are_one_line():
+    cfg = load_config(None, ["parallel.cp=2", "parallel.cp_attention=ulysses", "model.n_head=3", "model.n_embd=96",
+                             "cluster.num_workers=2"])
+    with pytest.raises(PlanError, match=re.escape(
+            "under parallel.cp=2, parallel.cp_attention=ulysses: ulysses attention needs the rank's 3 attention "
+            "heads to divide by cp=2")):
+        plan_job(cfg, ClusterTopology(nodes=[cpu_node(2)]), measure_model(cfg))
+    with pytest.raises(ConfigError, match=re.escape(
+            "key 'parallel.cp_attention': expected one of auto, allgather_kv, ulysses, got 'ulyses'")):
+        load_config(None, ["parallel.cp_attention=ulyses"])

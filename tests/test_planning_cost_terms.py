@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.choices import Compression, Recompute, Strategy, SyncAlgorithm
+from orchestrator.choices import Compression, CpAttention, Recompute, Strategy, SyncAlgorithm
 from orchestrator.planning.calibration import Calibration
 from orchestrator.planning.compute import DeviceSpeed
 from orchestrator.planning.cost import (
@@ -59,7 +59,7 @@ def candidate(mesh: Mesh, strategy: Strategy = Strategy.ddp, *, accum: int = 1, 
     runs = SimpleNamespace(strategy=strategy, mesh=mesh, wrapping=strategy, shard_group=1, ddp_reduces=True,
                            fsdp_replicates=False, reshard_after_forward=False, compression=Compression.none,
                            compression_warmup_steps=0, sync_algorithm=SyncAlgorithm.flat, flat_reason="",
-                           reduce_every_micro_step=False, pipeline=pipeline)
+                           reduce_every_micro_step=False, pipeline=pipeline, cp_attention=CpAttention.allgather_kv)
     for key, value in execution.items():
         setattr(runs, key, value)
     choice = SimpleNamespace(strategy=strategy, mesh=mesh, micro_batch=1, recompute=Recompute.none,

@@ -153,6 +153,28 @@ def test_zero1_is_priced_as_the_all_reduce_and_broadcasts_it_runs(capsys):
     _check_agreement(plan["rehearsal"])
 
 
+@pytest.mark.parametrize("attention", ["allgather_kv", pytest.param("ulysses", marks=pytest.mark.slow)])
+def test_context_parallel_rehearses_the_rank_s_own_chunks_and_agrees_with_the_plan(capsys, attention):
+    # The rank's step takes its 2 of 2 x cp chunks of every sequence, as the trainer's does: a
+    # whole sequence would double its activations and every attention collective.
+    code, plan, _ = _rehearse(capsys, "parallel.strategy=zero3", "parallel.cp=2", f"parallel.cp_attention={attention}")
+    assert code == 0 and plan["mesh"]["cp"] == 2
+    assert plan["execution"].get("cp_attention", "allgather_kv") == attention
+    report = plan["rehearsal"]
+    _check_agreement(report)
+    ops = {(c["op"], c["axis"]): c for c in report["collectives"]}
+    # K and V are gathered one call each (and their gradients reduce-scattered); Ulysses trades q,
+    # k, v and the output in forward and their gradients in backward: 8 all-to-alls a block.
+    if attention == "ulysses":
+        assert ops[("all_to_all", "cp")]["count"] == ops[("all_to_all", "cp")]["predicted_count"] == 8 * 4 * (
+            plan["sync"]["grad_accum_steps"])
+        assert ("all_gather", "cp") not in ops
+    else:
+        gathers = ops[("all_gather", "cp")]
+        assert gathers["count"] == gathers["predicted_count"] == 2 * 4 * plan["sync"]["grad_accum_steps"]
+    assert not report["differences"]
+
+
 def test_cuda_autocast_norms_run_in_fp32_inside_the_scope_only():
     import torch.nn.functional as F
 

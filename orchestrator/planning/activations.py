@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..sequence_split import ulysses_kv_heads
 from .model_math import RECOMPUTE_MODES, ModelShape
 from .pipeline import Moment, StageShare, whole_model_moment
 
@@ -378,6 +379,34 @@ def gathered_kv_bytes(shape: ModelShape, micro_batch: int, cp: int, recompute: s
     if recompute == "none":
         return blocks * whole * (cp - 1) / cp, whole
     return 0.0, whole
+
+
+def ulysses_tensor_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int, act_bytes: int) -> tuple[float, float]:
+    """(q or output, k or v) bytes one rank holds of one attention layer's tensors under
+    context parallelism: its 1/cp of the sequence, its heads after tensor parallelism, the K/V
+    heads repeated to the query heads' count where they do not divide by cp (what the Ulysses
+    all-to-alls move: `runtime/context_parallel.UlyssesShard`)."""
+    kv, width = kv_heads_and_width(shape)
+    heads = shape.heads // tp
+    tokens = micro_batch * shape.seq / cp
+    kv_heads = ulysses_kv_heads(heads, max(1, kv // tp), cp)
+    return tokens * heads * width * act_bytes, tokens * kv_heads * width * act_bytes
+
+
+def ulysses_kept_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int, recompute: str, act_bytes: int,
+                       blocks: int) -> tuple[float, float]:
+    """(kept, transient) bytes the Ulysses attention adds on one rank. The kernel keeps the
+    head-layout q, k, v and output for backward, the same sizes as the sequence-layout ones
+    the profile holds at 1/cp, except K/V heads repeated to the query heads' count: those
+    are kept by every attention layer where attention is not recomputed. One layer's send and
+    receive copies of all four tensors are the transient."""
+    if cp <= 1:
+        return 0.0, 0.0
+    q, kv = ulysses_tensor_bytes(shape, micro_batch, tp, cp, act_bytes)
+    own_kv, width = kv_heads_and_width(shape)
+    repeated = 2 * max(0.0, kv - micro_batch * shape.seq / cp * max(1, own_kv // tp) * width * act_bytes)
+    transient = 2 * q + 2 * kv
+    return (blocks * repeated if recompute == "none" else 0.0), transient
 
 
 ROUTED_IMBALANCE = 1.25

@@ -5,8 +5,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..choices import AccumSync, Compression, PipelineSchedule, Precision, Recompute, Strategy, SyncAlgorithm
-from .activations import ROUTED_IMBALANCE, kv_heads_and_width, routed_rows
+from ..choices import (
+    AccumSync,
+    Compression,
+    CpAttention,
+    PipelineSchedule,
+    Precision,
+    Recompute,
+    Strategy,
+    SyncAlgorithm,
+)
+from .activations import ROUTED_IMBALANCE, kv_heads_and_width, routed_rows, ulysses_tensor_bytes
 from .calibration import UNCALIBRATED, Calibration
 from .comm import (
     GLOO_LAUNCH_US,
@@ -103,6 +112,8 @@ class Choice:
     accum_sync: AccumSync = AccumSync.last_micro_step
     """When gradients are reduced under accumulation (a choice only where FSDP2 reduces them
     without a pipeline; see `resolve`)."""
+    cp_attention: CpAttention = CpAttention.allgather_kv
+    """How attention sees the whole sequence under mesh.cp > 1 (`context_parallel_term`)."""
 
 
 @dataclass
@@ -168,7 +179,8 @@ def execution(ctx: JobContext, choice: Choice) -> Execution:
             raise Unsupported(str(error)) from error
     return resolve(choice.strategy, choice.mesh, precision=ctx.precision, device=ctx.device, recompute=choice.recompute,
                    compression=choice.compression, algorithm=choice.algorithm, bucket_mb=choice.bucket_mb or 25.0,
-                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=choice.accum_sync)
+                   max_steps=ctx.max_steps, pipeline=pipeline, accum_sync=choice.accum_sync,
+                   cp_attention=choice.cp_attention)
 
 
 def accum_steps(ctx: JobContext, choice: Choice) -> int:
@@ -391,21 +403,36 @@ def pipeline_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> Co
 
 
 def context_parallel_term(ctx: JobContext, layout: ClusterLayout, cand: Candidate) -> CommTerm:
-    """All-gather-KV context parallelism: every attention layer all-gathers the sequence's K
-    and V over the cp group in forward (`(cp-1)/cp x 2 x S x n_kv x head_dim x bytes` per
-    rank) and reduce-scatters their gradients in backward; recomputing attention (selective
-    or full) gathers them again. On the link the cp group spans; q waits for its K/V, so
-    nothing hides it, and a pipeline's bubble stretches it as it does compute."""
+    """Context parallelism's attention traffic per attention layer and micro-batch, on the link
+    the cp group spans; attention waits for it, so nothing hides it, and a pipeline's bubble
+    stretches it as it does compute.
+
+    - allgather_kv: the sequence's K and V all-gathered in forward (`(cp-1)/cp x 2 x S x n_kv
+      x head_dim x bytes` per rank), their gradients reduce-scattered in backward; recomputing
+      attention (selective or full) gathers them again.
+    - ulysses: four all-to-alls in forward (q, k, v to heads, the output back) and four in
+      backward, each sending (cp-1)/cp of the rank's tensor (`ulysses_tensor_bytes`), the
+      forward four again under recomputation."""
     choice, pipeline, cp = cand.choice, cand.execution.pipeline, cand.choice.mesh.cp
     if cp <= 1:
         return CommTerm()
     links = group_links(ctx, layout, "cp")
-    kv, width = kv_heads_and_width(ctx.shape)
-    gathered = 2 * choice.micro_batch * ctx.shape.seq * kv * width * ctx.layout.activation
-    gathers = 2 if str(choice.recompute) != "none" else 1
-    per_block = gathers * group_all_gather(gathered, links) + group_reduce_scatter(gathered, links)
+    if cand.execution.cp_attention == CpAttention.ulysses:
+        cp_in = layout.per_node["cp"]
+        # Each rank keeps 1/cp of every tensor and sends the rest, to its island's members and beyond.
+        one_pass = sum(2 * group_all_to_all(held * (cp_in - 1) / cp, held * (cp - cp_in) / cp, links)
+                       for held in ulysses_tensor_bytes(ctx.shape, choice.micro_batch, choice.mesh.tp, cp,
+                                                        ctx.layout.activation))
+        per_block = (2 if str(choice.recompute) == "none" else 3) * one_pass
+        name = "cp head all-to-all"
+    else:
+        kv, width = kv_heads_and_width(ctx.shape)
+        gathered = 2 * choice.micro_batch * ctx.shape.seq * kv * width * ctx.layout.activation
+        gathers = 2 if str(choice.recompute) != "none" else 1
+        per_block = gathers * group_all_gather(gathered, links) + group_reduce_scatter(gathered, links)
+        name = "cp K/V all-gather"
     seconds = cand.accum * cand.blocks * per_block * (1 + (pipeline.bubble if pipeline else 0.0))
-    return CommTerm(parts={"cp K/V all-gather": seconds}, exposed_s=(seconds,))
+    return CommTerm(parts={name: seconds}, exposed_s=(seconds,))
 
 
 NODE_LIMIT = 4
@@ -730,7 +757,7 @@ def _peak_memory(ctx: JobContext, choice: Choice, runs: Execution, bucket_bytes:
     pipeline = runs.pipeline
     if pipeline is None:
         return rank_memory(*args, held_grad_bytes=held, micro_steps=accum_steps(ctx, choice),
-                           cp=mesh.cp, ep=mesh.ep, efsdp=mesh.efsdp)
+                           cp=mesh.cp, ep=mesh.ep, efsdp=mesh.efsdp, cp_attention=choice.cp_attention)
     # Activations in flight fall with the stage index and blocks differ by at most one between
     # middle stages, so the fullest rank is the first, the second, the last, or the first middle
     # stage with the most blocks.
@@ -738,7 +765,7 @@ def _peak_memory(ctx: JobContext, choice: Choice, runs: Execution, bucket_bytes:
     most = max(middle, key=lambda stage: stage_share(ctx.shape, pipeline, stage).blocks, default=0)
     return max((rank_memory(*args, share=stage_share(ctx.shape, pipeline, stage),
                             held_grad_bytes=held, micro_steps=pipeline.microbatches, cp=mesh.cp, ep=mesh.ep,
-                            efsdp=mesh.efsdp)
+                            efsdp=mesh.efsdp, cp_attention=choice.cp_attention)
                 for stage in sorted({0, min(1, pipeline.stages - 1), most, pipeline.stages - 1})),
                key=lambda memory: memory.total)
 

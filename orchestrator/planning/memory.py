@@ -30,6 +30,7 @@ from .activations import (
     context_shard,
     gathered_kv_bytes,
     routed_activation_bytes,
+    ulysses_kept_bytes,
     value_bytes,
 )
 from .model_math import ModelShape, root_params, routed_params, routed_params_per_block, tp_param_split
@@ -304,7 +305,7 @@ def rank_memory(
     share: StageShare | None = None,
     held_grad_bytes: int | None = None,
     micro_steps: int = 1,
-    cp: int = 1, ep: int = 1, efsdp: int = 1,
+    cp: int = 1, ep: int = 1, efsdp: int = 1, cp_attention: str = "allgather_kv",
 ) -> MemoryBreakdown:
     """Peak bytes of one rank: model states as the runtime keeps them (`runtime_states`), one
     micro-batch's activations, transient buffers.
@@ -321,12 +322,12 @@ def rank_memory(
     moment is the peak. `held_grad_bytes`: FSDP2's unsharded gradients kept between
     micro-steps (`runtime_states`). `micro_steps`: without a pipeline, the accumulation steps:
     past the first, the gradients of the earlier ones are held while the loss's backward runs.
-    `cp`, `ep`, `efsdp`: `seq / cp` tokens' activations; the expert mesh's states (`expert_states`).
-    """
+    `cp`, `ep`, `efsdp`, `cp_attention`: `seq / cp` tokens' activations and what their attention adds;
+    the expert mesh's states (`expert_states`)."""
     states, experts = _rank_states(strategy, shape, tp, shard, layout, share, held_grad_bytes, ep, efsdp)
     values = forward_values(strategy, tp, layout, on_gpu)
     buffers = buffer_bytes(strategy, shape, tp, shard, layout, bucket_bytes, micro_batch, on_gpu, share, cp, experts)
-    extra = _context_and_expert_bytes(shape, micro_batch, cp, tp, ep, recompute, layout, share)
+    extra = _context_and_expert_bytes(shape, micro_batch, cp, tp, ep, recompute, layout, share, cp_attention)
     tokens = context_shard(shape, cp)
     fsdp = wrapping_of(strategy, tp) not in (Strategy.ddp, Strategy.zero1)
     # zero3 and hsdp reshard every unit after its forward, the root too, and gather none again
@@ -364,10 +365,15 @@ def _rank_states(strategy: str, shape: ModelShape, tp: int, shard: int, layout: 
 
 
 def _context_and_expert_bytes(shape: ModelShape, micro_batch: int, cp: int, tp: int, ep: int, recompute: str,
-                              layout: ByteLayout, share: StageShare | None) -> tuple[float, float]:
-    """(kept, transient) activation bytes the gathered K/V and the routed rows' imbalance add."""
+                              layout: ByteLayout, share: StageShare | None,
+                              cp_attention: str = "allgather_kv") -> tuple[float, float]:
+    """(kept, transient) activation bytes context parallelism's attention (the gathered K/V, or
+    the Ulysses all-to-alls' copies) and the routed rows' imbalance add."""
     nblocks = shape.layers if share is None else share.blocks
-    kv_kept, kv_transient = gathered_kv_bytes(shape, micro_batch, cp, recompute, layout.activation, nblocks)
+    if cp_attention == "ulysses":
+        kv_kept, kv_transient = ulysses_kept_bytes(shape, micro_batch, tp, cp, recompute, layout.activation, nblocks)
+    else:
+        kv_kept, kv_transient = gathered_kv_bytes(shape, micro_batch, cp, recompute, layout.activation, nblocks)
     routed_kept, routed_transient = routed_activation_bytes(shape, micro_batch, cp, tp, ep, recompute,
                                                             layout.activation, moe_blocks_of(shape, share))
     return kv_kept + routed_kept, kv_transient + routed_transient

@@ -37,7 +37,7 @@ def predicted_peak_bytes(ctx: JobContext, plan: Plan, rank: int) -> int:
     m = rank_memory(wrapping, ctx.shape, mesh.tp, ex.shard_group, plan.micro_batch_size, plan.recompute,
                     ctx.layout, bucket, ctx.on_gpu, share=stage_share(ctx.shape, pl, stage) if pl else None,
                     held_grad_bytes=held, micro_steps=pl.microbatches if pl else plan.sync.grad_accum_steps,
-                    cp=mesh.cp, ep=mesh.ep, efsdp=mesh.efsdp)
+                    cp=mesh.cp, ep=mesh.ep, efsdp=mesh.efsdp, cp_attention=ex.cp_attention)
     return m.total - (GPU_WORKSPACE_BYTES if ctx.on_gpu else 0)
 
 

@@ -10,8 +10,9 @@ model, the cost model and the runtime all call it, so what is priced is what run
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from ..choices import AccumSync, Compression, Precision, Recompute, Strategy, SyncAlgorithm
+from ..choices import AccumSync, Compression, CpAttention, Precision, Recompute, Strategy, SyncAlgorithm
 from ..errors import PlanError
 from .mesh import Mesh
 from .pipeline import Pipeline
@@ -31,6 +32,9 @@ class Unsupported(PlanError):
 @dataclass(frozen=True)
 class Execution:
     """How the runtime executes a planned strategy on a mesh."""
+
+    # Plans without context parallelism read and write as they did before it had a choice.
+    PLAIN_OMIT_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("cp_attention",)
 
     strategy: Strategy
     """The strategy as planned (what the user asked for or the planner chose)."""
@@ -74,6 +78,9 @@ class Execution:
     pipeline: Pipeline | None = None
     """The pipeline that runs over the mesh's pp axis (stage split, schedule, micro-batches);
     None without one."""
+    cp_attention: CpAttention = CpAttention.allgather_kv
+    """How attention sees the whole sequence under context parallelism (mesh.cp > 1): the K/V
+    all-gather or the head all-to-all (Ulysses); the all-gather, unused, at cp=1."""
     reduce_every_micro_step: bool = False
     """Under gradient accumulation, the runtime runs every micro-step with gradient sync on
     (no `no_sync()`), so FSDP2 reduce-scatters after each backward and keeps only sharded
@@ -128,6 +135,7 @@ def resolve(
     max_steps: int = 0,
     pipeline: Pipeline | None = None,
     accum_sync: AccumSync | str = AccumSync.last_micro_step,
+    cp_attention: CpAttention | str = CpAttention.allgather_kv,
 ) -> Execution:
     """How `strategy` on `mesh` runs; Unsupported when it cannot run at all.
 
@@ -172,8 +180,17 @@ def resolve(
         sync_algorithm=algorithm, compression=compression,
         compression_warmup_steps=powersgd_warmup(max_steps) if compression == Compression.powersgd else 0,
         recompute=recompute, bucket_mb=float(bucket_mb), flat_reason=why_flat, notes=tuple(notes), pipeline=pipeline,
-        reduce_every_micro_step=reduce_every,
+        reduce_every_micro_step=reduce_every, cp_attention=_cp_attention(cp_attention, mesh),
     )
+
+
+def _cp_attention(requested: CpAttention | str, mesh: Mesh) -> CpAttention:
+    """The context-parallel attention that runs: the requested one under cp > 1 (the planner
+    has checked the heads divide), the all-gather, unused, at cp=1."""
+    attention = CpAttention(requested)
+    if attention == CpAttention.auto:
+        raise ValueError("cp_attention=auto is a config value; a plan holds allgather_kv or ulysses")
+    return attention if mesh.cp > 1 else CpAttention.allgather_kv
 
 
 def _check_request(strategy: Strategy, mesh: Mesh, recompute: Recompute, compression: Compression,
@@ -282,5 +299,5 @@ def on_device(ex: Execution, device: str, precision: Precision | str, requested:
         return ex
     again = resolve(ex.strategy, ex.mesh, precision=precision, device=device, recompute=ex.recompute,
                     compression=requested, algorithm=ex.sync_algorithm, bucket_mb=ex.bucket_mb, max_steps=max_steps,
-                    pipeline=ex.pipeline, accum_sync=accum_sync_of(ex))
+                    pipeline=ex.pipeline, accum_sync=accum_sync_of(ex), cp_attention=ex.cp_attention)
     return replace(again, notes=again.notes + (f"planned for {ex.device} ranks, running on {device}",))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..choices import AccumSync, Compression, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
+from ..choices import AccumSync, Compression, CpAttention, PipelineSchedule, Recompute, Strategy, SyncAlgorithm
 from ..config import JobConfig
-from ..sequence_split import sequence_split_problem
+from ..sequence_split import sequence_split_problem, ulysses_problem
+from .activations import kv_heads_and_width
 from .cost import Choice, Estimate, JobContext, compute_floor, estimate
 from .layout import ClusterLayout, Wirings, cluster_layout
 from .mesh import Mesh
@@ -52,6 +53,7 @@ class Constraints:
     pp_microbatches: int | None = None
     accum_sync: AccumSync | None = None
     cp: int | None = None
+    cp_attention: CpAttention | None = None
     ep: int | None = None
 
     @classmethod
@@ -76,6 +78,7 @@ class Constraints:
             pp_microbatches=fixed(p.pp_microbatches),
             accum_sync=fixed(p.accum_sync),
             cp=fixed(p.cp),
+            cp_attention=fixed(p.cp_attention),
             ep=fixed(p.ep),
         )
 
@@ -86,7 +89,8 @@ class Constraints:
                 ("parallel.compression", self.compression),
                 ("parallel.sync", None if self.algorithm == "auto" else self.algorithm), ("parallel.pp", self.pp),
                 ("parallel.pp_schedule", self.pp_schedule), ("parallel.pp_microbatches", self.pp_microbatches),
-                ("parallel.accum_sync", self.accum_sync), ("parallel.cp", self.cp), ("parallel.ep", self.ep))
+                ("parallel.accum_sync", self.accum_sync), ("parallel.cp", self.cp),
+                ("parallel.cp_attention", self.cp_attention), ("parallel.ep", self.ep))
         return [f"{k}={v}" for k, v in keys if v is not None]
 
 
@@ -124,7 +128,7 @@ def _simplicity(priced: Estimate) -> tuple:
     # A pipeline is the bigger step away from plain data parallelism: among near ties, fewer stages
     # first; and reducing once per step (less traffic) before reducing every micro-step.
     return (choice.mesh.pp, choice.virtual, _SIMPLICITY[choice.strategy], choice.mesh.tp,
-            RECOMPUTES.index(choice.recompute),
+            RECOMPUTES.index(choice.recompute), choice.cp_attention != CpAttention.allgather_kv,
             choice.compression != Compression.none, -choice.micro_batch, choice.accum_sync == AccumSync.per_micro_step)
 
 
@@ -463,9 +467,25 @@ def choices_for(space: SearchSpace, candidate: MeshCandidate, micro_batch: int, 
     constraints, mesh = space.constraints, candidate.mesh
     micro_steps, layers = space.per_rank(mesh) // micro_batch, space.ctx.shape.layers
     return [Choice(candidate.strategy, mesh, micro_batch, recompute, constraints.compression or Compression.none,
-                   constraints.algorithm, constraints.bucket_mb, schedule, virtual, accum_sync)
+                   constraints.algorithm, constraints.bucket_mb, schedule, virtual, accum_sync, attention)
             for schedule, virtual in schedules_for(mesh.pp, micro_steps, constraints.pp_schedule, layers)
-            for accum_sync in accum_syncs(candidate.strategy, mesh, micro_steps, constraints)]
+            for accum_sync in accum_syncs(candidate.strategy, mesh, micro_steps, constraints)
+            for attention in cp_attentions(space.ctx, mesh, constraints)]
+
+
+def cp_attentions(ctx: JobContext, mesh: Mesh, constraints: Constraints) -> list[CpAttention]:
+    """The context-parallel attentions worth pricing on `mesh`: the forced one, else the K/V
+    all-gather and, where the rank's heads (after tp) divide by cp, the head all-to-all; the
+    all-gather alone (unused) at cp=1. Unsupported where a forced Ulysses cannot split the heads."""
+    if mesh.cp == 1:
+        return [CpAttention.allgather_kv]
+    kv, _ = kv_heads_and_width(ctx.shape)
+    problem = ulysses_problem(ctx.shape.heads // mesh.tp, max(1, kv // mesh.tp), mesh.cp)
+    if constraints.cp_attention == CpAttention.ulysses and problem:
+        raise Unsupported(problem)
+    if constraints.cp_attention:
+        return [constraints.cp_attention]
+    return [CpAttention.allgather_kv] + ([CpAttention.ulysses] if problem is None else [])
 
 
 @dataclass
@@ -581,11 +601,43 @@ def axis_notes(space: SearchSpace, per_mesh: list[MeshBest], result: SearchResul
         other = [b for b in per_mesh if (b.estimate.choice.mesh.cp > 1) != (mesh.cp > 1)]
         notes.append(_versus("context parallelism", f"cp={mesh.cp}" if mesh.cp > 1 else "none (cp=1)",
                              "cp=1" if mesh.cp > 1 else "cp>1", best, other, mesh.cp > 1))
+    if mesh.cp > 1:
+        notes.append(cp_attention_note(space, best))
     if space.experts and space.constraints.ep is None:
         other = [b for b in per_mesh if (b.estimate.choice.mesh.ep > 1) != (mesh.ep > 1)]
         notes.append(_versus("experts", f"ep={mesh.ep}" if mesh.ep > 1 else "FSDP-only (ep=1)",
                              "FSDP-only experts (ep=1)" if mesh.ep > 1 else "ep>1", best, other, mesh.ep > 1))
     return notes
+
+
+def cp_attention_note(space: SearchSpace, best: Estimate) -> str:
+    """One line: the chosen plan's context-parallel attention against the other on the same
+    plan, each with the seconds per step its traffic costs; or why the other cannot run."""
+    choice = best.choice
+    chosen = choice.cp_attention
+    if space.constraints.cp_attention:
+        return f"context-parallel attention: {chosen} (parallel.cp_attention={chosen}; {_cp_cost(best)})"
+    others = [a for a in cp_attentions(space.ctx, choice.mesh, space.constraints) if a != chosen]
+    if not others:
+        kv, _ = kv_heads_and_width(space.ctx.shape)
+        why = ulysses_problem(space.ctx.shape.heads // choice.mesh.tp, max(1, kv // choice.mesh.tp), choice.mesh.cp)
+        return f"context-parallel attention: {chosen}, as {why}"
+    rival = estimate(space.ctx, space.layout(choice.mesh), replace(choice, cp_attention=others[0]))
+    space.evaluated += 1
+    if not rival.fits(space.ctx.usable_bytes):
+        return (f"context-parallel attention: {chosen} ({_cp_cost(best)}); {rival.choice.cp_attention} needs "
+                f"{rival.memory.total / 1e9:.2f} GB per rank and does not fit")
+    if rival.total_s < best.total_s:
+        return (f"context-parallel attention: {chosen} ({_cp_cost(best)}) over {rival.choice.cp_attention} "
+                f"({_cp_cost(rival)}), as simpler: their steps are within {NEAR_TIE:.0%}")
+    return (f"context-parallel attention: {chosen} ({_cp_cost(best)}), faster than {rival.choice.cp_attention} "
+            f"({_cp_cost(rival)}) on the cp group's links")
+
+
+def _cp_cost(priced: Estimate) -> str:
+    """The seconds per step a plan's context-parallel attention traffic costs, in words."""
+    spent = sum(seconds for name, seconds in priced.comm_parts.items() if name.startswith("cp "))
+    return f"{spent * 1e3:.1f} ms per step"
 
 
 def _versus(what: str, chosen: str, other_kind: str, best: Estimate, others: list[MeshBest],

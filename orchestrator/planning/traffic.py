@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..choices import Strategy
+from ..choices import CpAttention, Strategy
 from ..serialize import to_plain
-from .activations import kv_heads_and_width, routed_rows
+from .activations import kv_heads_and_width, routed_rows, ulysses_tensor_bytes
 from .cost import JobContext, ties_head, tp_all_reduces_per_micro_batch
 from .memory import moe_blocks_of, params_per_tp_rank
 from .model_math import root_params, routed_params_per_block
@@ -94,15 +94,22 @@ def predicted_traffic(ctx: JobContext, plan: Plan, rank: int = 0) -> tuple[Traff
 def _context_and_expert_traffic(tally: _Tally, ctx: JobContext, plan: Plan, blocks: int, moe_blocks: float) -> None:
     """The K/V all-gathers and their gradients' reduce-scatters of context parallelism (one of
     each per attention layer and micro-batch, the gather again where attention is recomputed),
+    or its Ulysses all-to-alls (q, k, v and the output, forward and backward, the forward
+    four again where attention is recomputed),
     the expert all-to-alls (dispatch and combine, forward, backward and again under full
     recomputation) and the experts' own FSDP2 gathers and reduce-scatters over efsdp."""
     shape, mesh, accum = ctx.shape, plan.mesh, plan.sync.grad_accum_steps
-    if mesh.cp > 1:
+    if mesh.cp > 1 and plan.execution.cp_attention == CpAttention.ulysses:
+        q, kv = ulysses_tensor_bytes(shape, plan.micro_batch_size, mesh.tp, mesh.cp, ctx.layout.activation)
+        passes = accum * blocks * (2 if str(plan.recompute) == "none" else 3)
+        tally.add("all_to_all", "cp", 4 * passes, passes * (2 * q + 2 * kv))
+    elif mesh.cp > 1:
         kv, width = kv_heads_and_width(shape)
         gathered = 2 * plan.micro_batch_size * shape.seq * kv * width * ctx.layout.activation
+        # K and V are gathered, and their gradients reduce-scattered, one call each.
         gathers = accum * blocks * (1 if str(plan.recompute) == "none" else 2)
-        tally.add("all_gather", "cp", gathers, gathers * gathered)
-        tally.add("reduce_scatter", "cp", accum * blocks, accum * blocks * gathered)
+        tally.add("all_gather", "cp", 2 * gathers, gathers * gathered)
+        tally.add("reduce_scatter", "cp", 2 * accum * blocks, accum * blocks * gathered)
     if not moe_blocks:
         return
     if mesh.ep > 1:
@@ -164,7 +171,8 @@ def _gradient_traffic(tally: _Tally, ctx: JobContext, plan: Plan, params_per_ran
         return
     axis = "dp_shard" if runs.fsdp_replicates else dp_axis(plan)
     if mesh.cp > 1:
-        axis = "dp_shard_cp"  # FSDP shards over dp_shard x cp (torchtitan's flattened name)
+        # FSDP shards over dp_shard x cp (torchtitan's flattened name), over cp alone without dp_shard.
+        axis = "dp_shard_cp" if mesh.dp_shard > 1 else "cp"
     units = blocks + 1  # FSDP2 unit per block, and the root's own parameters
     if runs.shard_group > 1:
         gather = params_per_rank * layout.compute

@@ -4,11 +4,19 @@ The sequence of T tokens is cut into 2 x cp equal chunks and rank r of the group
 r and 2cp-1-r (head-tail, or zigzag, sharding): under a causal mask an early chunk attends to
 few keys and a late one to many, so every rank gets one of each and the same work.
 
-Attention all-gathers K and V over the group, as torchtitan does: the queries stay sharded,
-each rank attends its 2 chunks of queries to the whole sequence's keys under the causal mask of
-their positions, and the all-gather's backward reduce-scatters dK and dV, so every rank gets
-the sum of all queries' gradients for its own keys. It runs on any attention kernel that takes
-an explicit mask, CPU included.
+Attention sees the whole sequence in one of two ways (`choices.CpAttention`, chosen and priced
+by the planner):
+
+- `allgather_kv` (:class:`ZigzagShard`), as torchtitan does: the queries stay sharded, each rank
+  attends its 2 chunks of queries to the whole sequence's keys, gathered from the group, under
+  the causal mask of their positions, and the all-gather's backward reduce-scatters dK and dV,
+  so every rank gets the sum of all queries' gradients for its own keys. It runs on any
+  attention kernel that takes an explicit mask, CPU included, at any head count.
+- `ulysses` (:class:`UlyssesShard`), DeepSpeed-Ulysses' head all-to-all: q, k and v trade
+  sequence shards for heads, so each rank holds H / cp heads of the whole sequence and runs
+  plain causal attention on them; a fourth all-to-all gives the output back by sequence. Each
+  all-to-all moves (cp-1)/cp of a rank's tensor, whatever cp is, where the K/V all-gather
+  grows with cp; it needs the rank's heads to divide by cp.
 
 The rank's share enters the model through the sequence hook (`workloads/sequence.py`):
 :func:`apply_context_parallel` sets every module's ``sequence_layout`` to the rank's
@@ -27,14 +35,17 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as functional
 from torch.distributed.device_mesh import DeviceMesh
 
+from orchestrator.choices import CpAttention
 from orchestrator.errors import PlanError
-from orchestrator.sequence_split import sequence_split_problem
+from orchestrator.sequence_split import sequence_split_problem, ulysses_kv_heads, ulysses_problem
 from orchestrator.workloads.hf_sequence import declare_sequence_hooks, is_hugging_face
 from orchestrator.workloads.models import attention_of, block_slots
 from orchestrator.workloads.sequence import HOOK, WholeSequence
 
 # The autograd all-gather (its backward reduce-scatters): torch 2.13 renames it, the floor has the old name.
 _all_gather = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
+# Its backward is the reverse all-to-all, so a Ulysses attention's gradients go home the way they came.
+_all_to_all = functional.all_to_all_single_autograd
 
 
 def chunk_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -95,6 +106,51 @@ class ZigzagShard(WholeSequence):
                                               scale=scale, enable_gqa=enable_gqa)
 
 
+@dataclass(frozen=True)
+class UlyssesShard(ZigzagShard):
+    """This rank's share of every sequence under context parallelism, attending through a head
+    all-to-all (DeepSpeed-Ulysses): the same chunks, positions and inputs as :class:`ZigzagShard`."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+               scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        """Causal attention of this rank's queries q [B, H, T/cp, D]: q, k and v trade sequence
+        for heads, H / cp heads of the whole sequence attend causally, and the output trades back."""
+        cp, heads, kv_heads = self.size, q.shape[1], k.shape[1]
+        problem = ulysses_problem(heads, kv_heads, cp)
+        if problem:
+            raise ValueError(problem)
+        if ulysses_kv_heads(heads, kv_heads, cp) != kv_heads:
+            # K/V heads that do not divide by cp: each rank takes the K/V heads its query heads read.
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+        order = gathered_order(q.shape[2] * cp, cp).to(q.device)
+        whole = [_sequence_to_heads(t, self.cp_mesh).index_select(2, order) for t in (q, k, v)]
+        y = F.scaled_dot_product_attention(*whole, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                           enable_gqa=enable_gqa and whole[1].shape[1] != whole[0].shape[1])
+        # Back to the group's shards in rank order (the inverse of `order`), then home by sequence.
+        return _heads_to_sequence(y.index_select(2, torch.argsort(order)), self.cp_mesh)
+
+
+def _sequence_to_heads(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """[B, H, S, D], this rank's sequence shard of every head, to [B, H/cp, cp x S, D]: its
+    group of heads (rank r keeps heads r x H/cp onwards) over every rank's shard, in rank order."""
+    cp = cp_mesh.size()
+    b, h, s, d = x.shape
+    # Dim 0 in cp equal parts, part j for rank j: the j-th group of heads.
+    parts = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).reshape(cp * b, h // cp, s, d).contiguous()
+    got = _all_to_all(parts, None, None, cp_mesh)  # part i now holds rank i's shard of my heads
+    return got.reshape(cp, b, h // cp, s, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_sequence(y: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+    """The inverse of :func:`_sequence_to_heads`: [B, H/cp, cp x S, D] back to [B, H, S, D]."""
+    cp = cp_mesh.size()
+    b, h, length, d = y.shape
+    s = length // cp
+    parts = y.reshape(b, h, cp, s, d).permute(2, 0, 1, 3, 4).reshape(cp * b, h, s, d).contiguous()
+    got = _all_to_all(parts, None, None, cp_mesh)  # part i now holds my shard of rank i's heads
+    return got.reshape(cp, b, h, s, d).transpose(0, 1).reshape(b, cp * h, s, d)
+
+
 def unhooked_block(model: nn.Module) -> str | None:
     """The first block of `model` with no module declaring the sequence hook, named by its
     attention (or itself where none is found), e.g. "_PlainAttention (block 0's self_attn)"; None
@@ -124,13 +180,20 @@ def prepare_for_context_parallel(model: nn.Module, cp: int) -> str | None:
             f"(docs/models.md); {where} declares none; use cp=1")
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ZigzagShard:
+SHARDS: dict[CpAttention, type[ZigzagShard]] = {CpAttention.allgather_kv: ZigzagShard,
+                                                CpAttention.ulysses: UlyssesShard}
+"""The sequence hook of each context-parallel attention."""
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh,
+                           attention: CpAttention = CpAttention.allgather_kv) -> ZigzagShard:
     """Give every module of `model` that declares the sequence hook this rank's share of the
-    sequence; PlanError where the model cannot run so (`prepare_for_context_parallel`)."""
+    sequence, attending as `attention` does; PlanError where the model cannot run so
+    (`prepare_for_context_parallel`)."""
     problem = prepare_for_context_parallel(model, cp_mesh.size())
     if problem:
         raise PlanError(problem)
-    shard = ZigzagShard(cp_mesh)
+    shard = SHARDS[CpAttention(attention)](cp_mesh)
     for module in model.modules():
         if _declares_hook(module):
             setattr(module, HOOK, shard)

@@ -418,7 +418,7 @@ def parallelize(
     if ex.mesh.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if ex.mesh.cp > 1:
-        apply_context_parallel(model, mesh["cp"])
+        apply_context_parallel(model, mesh["cp"], ex.cp_attention)
     expert_mesh = expert_parallel_mesh(ex, device.type)
     if expert_mesh is not None:
         apply_expert_parallel(model, expert_mesh, mesh["tp"])

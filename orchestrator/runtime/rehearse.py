@@ -125,7 +125,9 @@ def _step(trainer: Any, step: int) -> None:
     batch, micro-steps or pipeline schedule, unscale, clipping, optimizer and loss mean."""
     t = trainer.cfg.train
     par = trainer.par
-    x, y = trainer.data.train_batch(step, t.global_batch_size, trainer.dp_rank, trainer.dp_world)
+    # The rank's own tokens, as the trainer's step takes them: under cp, its chunks of every sequence.
+    x, y = trainer._own_tokens(*trainer.data.train_batch(step, t.global_batch_size, trainer.dp_rank,
+                                                         trainer.dp_world))
     x, y = x.to(trainer.device), y.to(trainer.device)
     if trainer.pipelined:
         with trainer._autocast():

@@ -14,6 +14,7 @@ backend's does.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..planning import Plan
+from ..planning.mesh import AXES
 
 # Dispatcher ops (without overload) -> the collective they are, in the traffic model's names.
 _C10D_OPS = {
@@ -78,6 +80,9 @@ class AxisNames:
             if mesh.size(axis) > 1:
                 row = next(r for r in rows if rank in r)
                 self.names.setdefault(frozenset(row), axis)
+        if mesh.cp > 1 and mesh.dp_shard > 1:
+            # FSDP's group under context parallelism: dp_shard x cp flattened (`replicate_shard_mesh`).
+            self.names.setdefault(_varying(plan, rank, ("dp_shard", "cp")), "dp_shard_cp")
         # The flattened data-parallel group: the ranks sharing this rank's pp and tp positions.
         tp, dp = mesh.tp, mesh.dp
         stage, pos = divmod(rank, dp * tp)
@@ -94,6 +99,27 @@ class AxisNames:
             return "self"
         shown = ",".join(map(str, sorted(ranks)[:8]))
         return f"ranks {shown}" + (",..." if len(ranks) > 8 else "")
+
+
+def _varying(plan: Plan, rank: int, axes: tuple[str, ...]) -> frozenset[int]:
+    """The ranks that share `rank`'s position on every mesh axis but `axes` (init_device_mesh's
+    row-major numbering over the mesh's axes)."""
+    sizes = plan.mesh.shape
+    index = []
+    for size in reversed(sizes):
+        rank, i = divmod(rank, size)
+        index.append(i)
+    index.reverse()
+    spans = [range(size) if name in axes else [i] for name, size, i in zip(AXES, sizes, index)]
+    return frozenset(_ravel(point, sizes) for point in itertools.product(*spans))
+
+
+def _ravel(point: tuple[int, ...], sizes: tuple[int, ...]) -> int:
+    """The rank at mesh coordinates `point`."""
+    flat = 0
+    for i, size in zip(point, sizes):
+        flat = flat * size + i
+    return flat
 
 
 def _group_of(func: Any, args: tuple, kwargs: dict) -> dist.ProcessGroup | None:
