@@ -167,6 +167,28 @@ def test_a_busy_moment_at_the_cpu_measurement_is_timed_again_and_a_run_corrects_
     assert local.correct_cpu_slot_tflops(0.0) is None and local.known_cpu_slot_tflops() == 0.118
 
 
+def test_the_cpu_rate_is_the_core_s_own_while_other_processes_share_the_cores() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from orchestrator.topology import local
+
+    idle = local.cpu_slot_tflops()
+    # Twice as many spinning processes as cores: as when a small host starts its workers beside
+    # the probe. A wall clock would give this thread's turns only (measured: half the rate or less).
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.3)
+        busy = local.cpu_slot_tflops()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert idle and busy and busy / idle >= 0.75, (idle, busy)
+
+
 def test_nvml_probe_gains_sysfs_nics(monkeypatch, tmp_path: Path) -> None:
     import fake_pynvml as fake
 

@@ -7,8 +7,8 @@ DDP, HSDP and tp=2, and a Hugging Face Llama at cp=2 through transformers' atten
 and compares each with one process on the same global batches: loss and clipped gradient norm
 at every step, the whole first gradients, and a resume from a checkpoint written under another
 cp; Ulysses' head all-to-all at cp=4 and cp=2 x tp=2 (K/V heads repeated) and through the
-registry; then the real Trainer under cp=1, cp=2, pp=2 x cp=2 and cp=2 through Ulysses, each cp
-resuming the other's checkpoint. Each attention alone (tests/_cp_attention_worker.py) matches
+registry; then the real Trainer under cp=1, cp=2, pp=2 x cp=2 and (Llama) cp=2 through Ulysses,
+each cp resuming the other's checkpoint. Each attention alone (tests/_cp_attention_worker.py) matches
 whole-sequence attention's output and gradients at cp=4.
 """
 
@@ -179,9 +179,9 @@ def test_context_parallel_trains_like_one_process(results) -> None:
 
 @pytest.mark.slow
 def test_a_checkpoint_resumes_exactly_under_another_cp(results) -> None:
-    # cp=2 -> cp=1 and cp=1 -> cp=4 for the GPT; cp=2 x tp=2 -> cp=4 for Llama; Ulysses' cp=4 -> cp=2.
+    # cp=2 -> cp=1 and cp=1 -> cp=4 for the GPT; cp=2 x tp=2 -> cp=4 for Llama.
     resumed = {n: c for n, c in CASES.items() if c.resume_from}
-    assert {CASES[c.resume_from].ex.mesh.cp for c in resumed.values()} == {1, 2, 4}
+    assert {CASES[c.resume_from].ex.mesh.cp for c in resumed.values()} == {1, 2}
     for name in resumed:
         got = results[name]
         assert abs(got["resumed_loss"] - got["reference"]["losses"][-1]) <= 1e-5, name
@@ -193,7 +193,7 @@ def test_the_trainer_under_cp_runs_and_resumes_as_under_cp_1(results) -> None:
     for model in cw.TRAINER_MODELS:
         whole = runs[f"{model} cp=1"]
         assert set(whole) == {*(f"loss {s}" for s in range(cw.TRAINER_STEPS)), "val"}
-        for split in ("cp=2", "pp=2 cp=2", "cp=2 ulysses"):
+        for split in ("cp=2", "pp=2 cp=2") + (("cp=2 ulysses",) if model in cw.TRAINER_ULYSSES else ()):
             got = runs[f"{model} {split}"]
             for key in whole:
                 assert abs(whole[key] - got[key]) <= 1e-5, f"{model} {key}: {split} {got[key]} vs cp=1 {whole[key]}"

@@ -166,9 +166,13 @@ def _cpu_key() -> str | None:
 def cpu_slot_tflops(seconds: float = 0.2, n: int = 512, passes: int = 5, tries: int = 3,
                     max_spread: float = CPU_RATE_SPREAD) -> float | None:
     """fp32 matmul TFLOP/s of one CPU thread (a worker's share on a GPU-less node): the median
-    of `passes` timed passes over `seconds`. A pass another process slowed shows as spread:
-    where the passes differ by more than `max_spread` of their median, they are timed again,
-    up to `tries` times, and the steadiest try's median is kept."""
+    of `passes` timed passes over `seconds`. Each pass is timed by the thread's own CPU time,
+    not the wall clock: the probe runs while the node starts its workers (on a small host they
+    share its cores, and a wall clock would count their turns as this core's slowness, a third
+    of the rate on 2 cores), and the plan prices a worker that has its slot. What CPU time
+    still varies by (a sibling hyperthread, the caches) shows as spread: where the passes
+    differ by more than `max_spread` of their median, they are timed again, up to `tries`
+    times, and the steadiest try's median is kept."""
     try:
         import torch
     except ImportError:  # the probe also runs where only the planner is installed
@@ -180,11 +184,12 @@ def cpu_slot_tflops(seconds: float = 0.2, n: int = 512, passes: int = 5, tries: 
         a @ b  # warm-up
 
         def one_pass() -> float:
-            runs, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds / passes:
+            # One intra-op thread: the matmul runs on this thread, so its CPU time is the work's.
+            runs, t0, cpu0 = 0, time.perf_counter(), time.thread_time()
+            while runs == 0 or time.perf_counter() - t0 < seconds / passes:
                 a @ b
                 runs += 1
-            return 2 * n**3 * runs / (time.perf_counter() - t0) / 1e12
+            return 2 * n**3 * runs / max(time.thread_time() - cpu0, 1e-9) / 1e12
 
         return steadiest_median(one_pass, passes, tries, max_spread)
     finally:
