@@ -23,7 +23,7 @@ from orchestrator.choices import CpAttention, Recompute, Strategy
 from orchestrator.config import load_config
 from orchestrator.control.preflight import measure_model
 from orchestrator.errors import ConfigError, PlanError
-from orchestrator.planning import plan_job
+from orchestrator.planning import Plan, plan_job
 from orchestrator.planning.activations import (
     context_shard,
     gathered_kv_bytes,
@@ -382,6 +382,11 @@ def test_the_search_prices_both_attentions_and_keeps_ulysses_where_k_v_heads_are
     assert re.fullmatch(r"context-parallel attention: ulysses \([\d.]+ ms per step\), faster than allgather_kv "
                         r"\([\d.]+ ms per step\) on the cp group's links", line), line
     assert plan.to_dict()["execution"]["cp_attention"] == "ulysses"
+    # The runners-up with cp name their attention too (the text's alternatives and plan.json).
+    priced = [a for a in plan.alternatives if a.step_time_s is not None]
+    assert priced and all((a.cp_attention is not None) == (a.mesh.cp > 1) for a in priced)
+    assert Plan.from_dict(plan.to_dict()).alternatives == plan.alternatives
+    assert all("cp_attention" not in a for a in plan.to_dict()["alternatives"] if a["mesh"].get("cp", 1) == 1)
     # What a rehearsal compares: 8 all-to-alls per attention layer and micro-batch (12 recomputed), of
     # the rank's q, k, v and output: 131,072 / cp tokens x 32 heads x 128 x 2 B each; no K/V gather.
     rows = {(t.op, t.axis): t for t in predicted_traffic(job_context(cfg, _dgx(4), mha), plan)}

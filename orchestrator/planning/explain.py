@@ -49,7 +49,8 @@ def alternative(priced: Estimate, fits: bool, best: Estimate, ctx: JobContext) -
     return Alternative(strategy=choice.strategy, mesh=choice.mesh, fits=fits, reason=reason,
                        micro_batch_size=choice.micro_batch,
                        recompute=choice.recompute, compression=choice.compression, step_time_s=round(priced.total_s, 6),
-                       memory_per_rank=priced.memory.total)
+                       memory_per_rank=priced.memory.total,
+                       cp_attention=choice.cp_attention if choice.mesh.cp > 1 else None)
 
 
 def _describe_axis(axis: str, cluster_layout: ClusterLayout, ctx: JobContext) -> str:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..choices import Compression, Recompute, Strategy
+from ..choices import Compression, CpAttention, Recompute, Strategy
 from ..serialize import from_plain, to_plain
 from ..units import format_bytes
 from .cluster_view import LeftOut
@@ -89,6 +89,12 @@ class Alternative:
     step_time_s: float | None = None
     """Predicted step time; None for a candidate that could not be estimated."""
     memory_per_rank: int | None = None
+    cp_attention: CpAttention | None = None
+    """How its attention sees the whole sequence (`parallel.cp_attention`), for a candidate with
+    cp > 1 that was estimated; None otherwise."""
+
+    # Written only where set, so plans without context parallelism read as before.
+    PLAIN_OMIT_AT_DEFAULT: ClassVar[tuple[str, ...]] = ("cp_attention",)
 
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)

@@ -53,11 +53,14 @@ def render_text(plan: Plan, topology: ClusterTopology | None = None) -> str:
     if plan.alternatives:
         out.append("")
         out.append("alternatives")
-        for a in plan.alternatives:
+        extras = [(f" mb={a.micro_batch_size} rc={a.recompute}" if a.micro_batch_size is not None else "")
+                  + (f" {a.cp_attention}" if a.cp_attention else "") for a in plan.alternatives]
+        width = max([24] + [len(extra) + 1 for extra in extras])  # context-parallel rows name their attention
+        for a, extra in zip(plan.alternatives, extras):
             m = "x".join(str(a.mesh.size(ax)) for ax in AXES if ax != "cp" or a.mesh.cp > 1)
             t = f"{a.step_time_s * 1e3:.2f} ms" if a.step_time_s is not None else "-"
-            extra = f" mb={a.micro_batch_size} rc={a.recompute}" if a.micro_batch_size is not None else ""
-            out.append(f"  {a.strategy:<6} {m:<14}{extra:<24} {t:>12}  {_bytes(a.memory_per_rank):>10}  {a.reason}")
+            memory = _bytes(a.memory_per_rank)
+            out.append(f"  {a.strategy:<6} {m:<14}{extra:<{width}} {t:>12}  {memory:>10}  {a.reason}")
     return "\n".join(out)
 
 
