@@ -25,6 +25,9 @@ from orchestrator.record.report import (
     build_report,
     write_report,
 )
+from orchestrator.record.report import (
+    alternatives as report_alternatives,
+)
 from orchestrator.record.rundir import RunDir
 from orchestrator.topology.files import load_topology_file
 from orchestrator.topology.model import ClusterTopology
@@ -439,3 +442,15 @@ def test_the_heat_map_colour_rises_with_load_and_saturates():
     reds = [int(colour(r).split(",")[1]) for r in (1.0, 1.5, 2.0, SATURATE, 2 * SATURATE)]
     assert reds == sorted(reds, reverse=True) and reds[-1] == reds[-2] == 0
     assert colour(0.0) == colour(1 / SATURATE) == "rgb(0,0,255)"
+
+
+def test_the_runners_up_table_names_each_context_parallel_row_s_attention():
+    row = {"strategy": "zero3", "mesh": {"dp_shard": 2}, "micro_batch_size": 1, "recompute": "none",
+           "step_time_s": 0.5, "memory_per_rank": 10**9, "fits": True, "reason": "slower by 3.0%"}
+    plain = report_alternatives([row])
+    assert "cp attention" not in plain
+    mixed = report_alternatives([{**row, "mesh": {"dp_shard": 1, "cp": 2}, "cp_attention": "ulysses"}, row])
+    heads = re.findall(r"<th>(.*?)</th>", mixed)
+    assert heads[4] == "cp attention"
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", mixed.split("<tbody>")[1])]
+    assert [c[4] for c in cells] == ["ulysses", "-"] and all(len(c) == len(heads) for c in cells)

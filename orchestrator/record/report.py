@@ -320,8 +320,13 @@ def alternatives(alts: Any) -> str:
     rows = [[str(a.get("strategy", "?")), mesh_text(a.get("mesh")), str(a.get("micro_batch_size") or "-"),
              str(a.get("recompute") or "-"), fmt_s(a.get("step_time_s")), fmt_bytes(a.get("memory_per_rank")),
              "yes" if a.get("fits") else "no", str(a.get("reason", ""))] for a in alts if isinstance(a, dict)]
-    return table(["strategy", "mesh", "micro-batch", "recompute", "step time", "memory per rank", "fits", "why not"],
-                 rows)
+    headers = ["strategy", "mesh", "micro-batch", "recompute", "step time", "memory per rank", "fits", "why not"]
+    if any(isinstance(a, dict) and a.get("cp_attention") for a in alts):
+        # Context-parallel runners-up: how each one's attention sees the sequence.
+        headers.insert(4, "cp attention")
+        for row, a in zip(rows, [a for a in alts if isinstance(a, dict)]):
+            row.insert(4, str(a.get("cp_attention") or "-"))
+    return table(headers, rows)
 
 
 def trial_text(trial: Any) -> str:
