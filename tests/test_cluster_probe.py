@@ -167,6 +167,7 @@ def test_a_busy_moment_at_the_cpu_measurement_is_timed_again_and_a_run_corrects_
     assert local.correct_cpu_slot_tflops(0.0) is None and local.known_cpu_slot_tflops() == 0.118
 
 
+@pytest.mark.slow  # spins the cores for a few seconds
 def test_the_cpu_rate_is_the_core_s_own_while_other_processes_share_the_cores() -> None:
     import os
     import subprocess

@@ -153,7 +153,8 @@ def test_zero1_is_priced_as_the_all_reduce_and_broadcasts_it_runs(capsys):
     _check_agreement(plan["rehearsal"])
 
 
-@pytest.mark.parametrize("attention", ["allgather_kv", pytest.param("ulysses", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["allgather_kv", "ulysses"])
 def test_context_parallel_rehearses_the_rank_s_own_chunks_and_agrees_with_the_plan(capsys, attention):
     # The rank's step takes its 2 of 2 x cp chunks of every sequence, as the trainer's does: a
     # whole sequence would double its activations and every attention collective.
