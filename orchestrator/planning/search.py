@@ -479,8 +479,7 @@ def cp_attentions(ctx: JobContext, mesh: Mesh, constraints: Constraints) -> list
     all-gather alone (unused) at cp=1. Unsupported where a forced Ulysses cannot split the heads."""
     if mesh.cp == 1:
         return [CpAttention.allgather_kv]
-    kv, _ = kv_heads_and_width(ctx.shape)
-    problem = ulysses_problem(ctx.shape.heads // mesh.tp, max(1, kv // mesh.tp), mesh.cp)
+    problem = mesh_ulysses_problem(ctx, mesh)
     if constraints.cp_attention == CpAttention.ulysses and problem:
         raise Unsupported(problem)
     if constraints.cp_attention:
@@ -610,6 +609,12 @@ def axis_notes(space: SearchSpace, per_mesh: list[MeshBest], result: SearchResul
     return notes
 
 
+def mesh_ulysses_problem(ctx: JobContext, mesh: Mesh) -> str | None:
+    """Why Ulysses cannot split the model's heads on `mesh` (a rank's heads after tp), or None."""
+    kv, _ = kv_heads_and_width(ctx.shape)
+    return ulysses_problem(ctx.shape.heads // mesh.tp, max(1, kv // mesh.tp), mesh.cp)
+
+
 def cp_attention_note(space: SearchSpace, best: Estimate) -> str:
     """One line: the chosen plan's context-parallel attention against the other on the same
     plan, each with the seconds per step its traffic costs; or why the other cannot run."""
@@ -619,9 +624,7 @@ def cp_attention_note(space: SearchSpace, best: Estimate) -> str:
         return f"context-parallel attention: {chosen} (parallel.cp_attention={chosen}; {_cp_cost(best)})"
     others = [a for a in cp_attentions(space.ctx, choice.mesh, space.constraints) if a != chosen]
     if not others:
-        kv, _ = kv_heads_and_width(space.ctx.shape)
-        why = ulysses_problem(space.ctx.shape.heads // choice.mesh.tp, max(1, kv // choice.mesh.tp), choice.mesh.cp)
-        return f"context-parallel attention: {chosen}, as {why}"
+        return f"context-parallel attention: {chosen}, as {mesh_ulysses_problem(space.ctx, choice.mesh)}"
     rival = estimate(space.ctx, space.layout(choice.mesh), replace(choice, cp_attention=others[0]))
     space.evaluated += 1
     if not rival.fits(space.ctx.usable_bytes):
